@@ -1,0 +1,157 @@
+"""The configuration file (`delivery apply CONFIG.yaml`): its shape, and every check that happens
+before anything is written. Save-time validation (CFX-217) lives here: a rule whose target driver
+has no writer, or whose policy needs a verb the writer's type lacks, is refused."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from delivery.domain import ConnectionStatus, Policy
+from delivery.errors import ConfigError
+from delivery.writers.base import verbs_of
+from delivery.writers.registry import find_writer, registered_drivers
+
+Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
+
+
+class BreakerConfig(_Strict):
+    fail_max: int = Field(default=5, ge=1, le=10_000)
+    reset_seconds: float = Field(default=60.0, gt=0, le=86_400)
+
+
+class ConnectionConfig(_Strict):
+    name: Name
+    driver: str | None = Field(default=None, min_length=1)
+    # None: a new connection starts active, an existing one keeps the status an operator gave it.
+    status: ConnectionStatus | None = None
+    base_url: str | None = Field(default=None, pattern=r"^https?://[^\s]+$")
+    token_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    timeout_seconds: float = Field(default=10.0, gt=0, le=600)
+    id_field: str = Field(default="id", min_length=1)
+    breaker: BreakerConfig = BreakerConfig()
+
+
+class RuleConfig(_Strict):
+    name: Name
+    source: Name
+    domain: Annotated[str, Field(min_length=1, max_length=200)]
+    target: Name
+    collection: Annotated[str, Field(min_length=1, max_length=500, pattern=r"^[^\s?#]+$")]
+    policy: Policy = Policy.CREATE_AND_UPDATE
+    batch_size: int = Field(default=100, ge=1, le=10_000)
+    overlap_seconds: int = Field(default=300, ge=0, le=86_400 * 7)
+    max_attempts: int = Field(default=5, ge=1, le=1000)
+    retry_schedule_seconds: list[Annotated[int, Field(ge=0, le=86_400 * 7)]] = Field(
+        default_factory=lambda: [60, 300, 1800, 7200], min_length=1
+    )
+    fields: dict[str, str] | None = None
+    enabled: bool = True
+
+    @field_validator("fields")
+    @classmethod
+    def _fields_not_empty(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None and not value:
+            raise ValueError("must map at least one field, or be left out to send the whole payload")
+        return value
+
+
+class DeliveryConfig(_Strict):
+    connections: list[ConnectionConfig] = Field(default_factory=list)
+    rules: list[RuleConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> DeliveryConfig:
+        for kind, names in (
+            ("connections", [c.name for c in self.connections]),
+            ("rules", [r.name for r in self.rules]),
+        ):
+            counts = Counter(names)
+            for index, name in enumerate(names):
+                if counts[name] > 1:
+                    raise ValueError(f"{kind}[{index}].name: {name!r} is declared more than once")
+        return self
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "(top level)"
+
+
+def parse_config(text: str, origin: str = "config") -> DeliveryConfig:
+    """Parse and validate the shape; every problem names where it is."""
+    try:
+        data: Any = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        raise ConfigError([f"{origin}: not valid YAML at {where}: {exc.problem}"]) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{origin}: not valid YAML: {exc}"]) from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{origin}: the top level must be a mapping with 'connections' and 'rules'"])
+    try:
+        return DeliveryConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            message = error["msg"].removeprefix("Value error, ")
+            problems.append(f"{_location(error['loc'])}: {message}")
+        raise ConfigError(problems) from exc
+
+
+def load_config(path: Path) -> DeliveryConfig:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot be read: {exc.strerror}"]) from exc
+    return parse_config(text, str(path))
+
+
+def check_rules(config: DeliveryConfig, known_connections: dict[str, str | None]) -> None:
+    """Cross-checks that need the connections: referenced names exist, and the target's writer
+    offers every verb the policy needs. `known_connections` maps name -> driver, the file's
+    connections overriding the database's."""
+    problems = []
+    for index, rule in enumerate(config.rules):
+        where = f"rules[{index}]"
+        if rule.source not in known_connections:
+            problems.append(f"{where}.source: rule {rule.name!r}: no connection named {rule.source!r}")
+        if rule.target not in known_connections:
+            problems.append(f"{where}.target: rule {rule.name!r}: no connection named {rule.target!r}")
+            continue
+        driver = known_connections[rule.target]
+        writer = find_writer(driver)
+        if writer is None:
+            problems.append(
+                f"{where}.target: rule {rule.name!r}: target {rule.target!r} has driver {driver!r}, which has no "
+                f"registered writer (registered: {', '.join(registered_drivers())})"
+            )
+            continue
+        missing = sorted(rule.policy.verbs - verbs_of(writer))
+        for verb in missing:
+            problems.append(
+                f"{where}.policy: rule {rule.name!r}: policy {rule.policy.value!r} needs the {verb.value!r} verb, "
+                f"which driver {driver!r} does not offer"
+            )
+    for index, connection in enumerate(config.connections):
+        writer = find_writer(connection.driver)
+        if writer is not None and writer.needs_base_url and not connection.base_url:
+            problems.append(
+                f"connections[{index}].base_url: connection {connection.name!r} with driver "
+                f"{connection.driver!r} needs a base_url"
+            )
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,226 @@
+"""The design's vocabulary as plain values: statuses, policies, verbs, cursors and outcomes.
+
+Nothing here imports SQLAlchemy, httpx or Prefect, so every other module (and the tests) can
+reason about delivery without a database or a network.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+class ConnectionStatus(enum.StrEnum):
+    ACTIVE = "active"
+    ERROR = "error"
+    DISABLED = "disabled"
+
+
+class Policy(enum.StrEnum):
+    CREATE_AND_UPDATE = "create_and_update"
+    CREATE_ONLY = "create_only"
+    UPDATE_ONLY = "update_only"
+
+    @property
+    def verbs(self) -> frozenset[Verb]:
+        """The verbs this policy lets the engine use; the writer must offer each of them."""
+        return {
+            Policy.CREATE_AND_UPDATE: frozenset({Verb.CREATE, Verb.UPDATE}),
+            Policy.CREATE_ONLY: frozenset({Verb.CREATE}),
+            Policy.UPDATE_ONLY: frozenset({Verb.UPDATE}),
+        }[self]
+
+
+class Verb(enum.StrEnum):
+    CREATE = "create"
+    UPDATE = "update"
+
+
+class LedgerStatus(enum.StrEnum):
+    DELIVERED = "delivered"
+    SUPPRESSED = "suppressed"
+    FAILED = "failed"
+    EXHAUSTED = "exhausted"
+    REMOTE_GONE = "remote_gone"
+
+    @property
+    def is_terminal(self) -> bool:
+        """Exactly `exhausted` and `remote_gone`: neither drain nor scan offers them again,
+        whatever the record's change signal does (ADR-0029)."""
+        return self in (LedgerStatus.EXHAUSTED, LedgerStatus.REMOTE_GONE)
+
+
+TERMINAL_STATUSES = frozenset(s for s in LedgerStatus if s.is_terminal)
+
+
+class ChainEnd(enum.StrEnum):
+    """How a chain ended. Route closed and breaker open are results, not faults: a later chain
+    resumes once the connection comes back or the breaker cools down."""
+
+    CAUGHT_UP = "caught_up"
+    ROUTE_CLOSED = "route_closed"
+    BREAKER_OPEN = "breaker_open"
+    RULE_FAULT = "rule_fault"
+    SUPERSEDED = "superseded"
+    DISABLED = "disabled"
+
+
+class Phase(enum.StrEnum):
+    DRAIN = "drain"
+    SCAN = "scan"
+
+
+@dataclass(frozen=True, order=True)
+class Cursor:
+    """A position in the (changed_at, record id) order of a rule's mirror rows."""
+
+    changed_at: datetime
+    record_id: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {"changed_at": self.changed_at.isoformat(), "record_id": self.record_id}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> Cursor | None:
+        if data is None:
+            return None
+        return cls(datetime.fromisoformat(data["changed_at"]), int(data["record_id"]))
+
+
+@dataclass(frozen=True)
+class BreakerSettings:
+    fail_max: int = 5
+    reset_seconds: float = 60.0
+
+
+@dataclass(frozen=True)
+class Connection:
+    id: int
+    name: str
+    driver: str | None
+    status: ConnectionStatus
+    base_url: str | None = None
+    token_env: str | None = None
+    timeout_seconds: float = 10.0
+    id_field: str = "id"
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: int
+    name: str
+    source: Connection
+    domain: str
+    target: Connection
+    collection: str
+    policy: Policy
+    batch_size: int
+    overlap_seconds: int
+    max_attempts: int
+    retry_schedule_seconds: tuple[int, ...]
+    fields: dict[str, str] | None
+    enabled: bool
+    cursor: Cursor | None
+
+
+@dataclass(frozen=True)
+class MirrorRecord:
+    id: int
+    source_id: int
+    domain: str
+    external_id: str
+    payload: dict[str, Any]
+    deleted: bool
+    changed_at: datetime
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    id: int
+    rule_id: int
+    record_id: int
+    status: LedgerStatus
+    remote_id: str | None
+    attempts: int
+    next_attempt_at: datetime | None
+    last_error: str | None
+    settled_changed_at: datetime | None
+    fingerprint: str | None
+    create_generation: int
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One record a batch offers to the writer, with the ledger row the query saw for it (if any)."""
+
+    record: MirrorRecord
+    ledger: LedgerRow | None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one attempt did to one record's ledger row."""
+
+    status: LedgerStatus
+    remote_id: str | None = None
+    attempts: int = 0
+    next_attempt_at: datetime | None = None
+    last_error: str | None = None
+    fingerprint: str | None = None
+    create_generation: int = 0
+
+
+@dataclass
+class BatchReport:
+    phase: Phase
+    attempted: int = 0
+    counts: Counter[str] = field(default_factory=Counter)
+    ended_by: ChainEnd | None = None
+    message: str | None = None
+    cursor_after: Cursor | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.attempted == 0 and self.ended_by is None
+
+
+@dataclass
+class ChainReport:
+    rule: str
+    token: str
+    ended_by: ChainEnd = ChainEnd.CAUGHT_UP
+    message: str = ""
+    drained: Counter[str] = field(default_factory=Counter)
+    scanned: Counter[str] = field(default_factory=Counter)
+    cursor_before: Cursor | None = None
+    cursor_after: Cursor | None = None
+    batches: int = 0
+
+    @property
+    def counts(self) -> Counter[str]:
+        return self.drained + self.scanned
+
+    def add(self, batch: BatchReport) -> None:
+        self.batches += 1
+        (self.drained if batch.phase is Phase.DRAIN else self.scanned).update(batch.counts)
+        if batch.cursor_after is not None:
+            self.cursor_after = batch.cursor_after
+        if batch.ended_by is not None:
+            self.ended_by = batch.ended_by
+            self.message = batch.message or ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "ended_by": self.ended_by.value,
+            "message": self.message,
+            "counts": {s.value: self.counts.get(s.value, 0) for s in LedgerStatus},
+            "drained": {s.value: self.drained.get(s.value, 0) for s in LedgerStatus},
+            "scanned": {s.value: self.scanned.get(s.value, 0) for s in LedgerStatus},
+            "cursor_before": self.cursor_before.as_json() if self.cursor_before else None,
+            "cursor_after": self.cursor_after.as_json() if self.cursor_after else None,
+        }

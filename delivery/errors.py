@@ -1,0 +1,108 @@
+"""Every fault the engine names, routed the way ADR-0029 routes it.
+
+    DeliveryError
+    ├── InputError                      bad input from a person: exit 2, nothing written
+    │   ├── ConfigError                   the config file (names the path, e.g. rules[0].policy)
+    │   ├── MirrorLoadError               a JSONL line (names the line number)
+    │   └── UnknownName                   no connection/rule of that name
+    ├── RuleFault                       stops the chain, writes nothing for the fault itself
+    │   ├── MissingWriter                 no writer registered for the target's driver
+    │   ├── UnsupportedDeliveryVerb       the writer's type lacks the verb the rule needs
+    │   ├── LedgerRowConflict             a ledger row exists where the scan said there was none
+    │   ├── UnexpectedCandidate           a mirror row the scan/drain should never have returned
+    │   └── MissingCredential             token_env names an unset variable (ours, beyond the six:
+    │                                     every record would be refused alike)
+    └── RecordFault                     parks one record in its ledger row; the job carries on
+        ├── TargetUnavailable             timeout, connection error, 5xx, 429: counts for the breaker
+        ├── RecordRejected                any other 4xx about this record
+        ├── RemoteGone                    an update answered 404/410
+        └── Unaddressable                 a create answered 2xx with no usable id
+
+Route closed and breaker open are not here on purpose: they are `ChainEnd` results, because the
+step did what the situation called for and a later chain resumes by itself.
+"""
+
+from __future__ import annotations
+
+
+class DeliveryError(Exception):
+    """A delivery engine error."""
+
+
+class InputError(DeliveryError):
+    """Input was refused; nothing was written."""
+
+
+class ConfigError(InputError):
+    """The configuration was refused."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+class MirrorLoadError(InputError):
+    """A mirror file line was refused; nothing was loaded."""
+
+    def __init__(self, line: int, problem: str) -> None:
+        self.line = line
+        super().__init__(f"line {line}: {problem}")
+
+
+class UnknownName(InputError):
+    """No connection or rule has that name."""
+
+
+class RuleFault(DeliveryError):
+    """A fault that would fall the same way for every record of the rule: the chain ends."""
+
+
+class MissingWriter(RuleFault):
+    def __init__(self, rule: str, driver: str | None) -> None:
+        super().__init__(f"rule {rule!r}: no writer is registered for target driver {driver!r}")
+
+
+class UnsupportedDeliveryVerb(RuleFault):
+    def __init__(self, rule: str, driver: str | None, verb: str) -> None:
+        super().__init__(
+            f"rule {rule!r}: the writer for driver {driver!r} does not offer the {verb!r} verb the rule needs"
+        )
+
+
+class LedgerRowConflict(RuleFault):
+    def __init__(self, rule: str, external_id: str) -> None:
+        super().__init__(f"rule {rule!r}: a ledger row for record {external_id!r} exists where the scan saw none")
+
+
+class UnexpectedCandidate(RuleFault):
+    def __init__(self, rule: str, external_id: str, why: str) -> None:
+        super().__init__(f"rule {rule!r}: candidate record {external_id!r} should never have been offered: {why}")
+
+
+class MissingCredential(RuleFault):
+    def __init__(self, rule: str, connection: str, variable: str) -> None:
+        super().__init__(f"rule {rule!r}: target {connection!r} takes its token from ${variable}, which is not set")
+
+
+class RecordFault(DeliveryError):
+    """A fault of one record: written to its ledger row, and the job carries on."""
+
+
+class TargetUnavailable(RecordFault):
+    """The target did not take the write for a reason that passes (and that trips the breaker)."""
+
+    def __init__(self, message: str, retry_after_seconds: float | None = None) -> None:
+        self.retry_after_seconds = retry_after_seconds
+        super().__init__(message)
+
+
+class RecordRejected(RecordFault):
+    """The target refused this record's write (a 4xx other than gone)."""
+
+
+class RemoteGone(RecordFault):
+    """The record the ledger points at is not in the target any more."""
+
+
+class Unaddressable(RecordFault):
+    """The create went through but nothing addresses the result: a retry would make a second copy."""

@@ -1,0 +1,103 @@
+"""pybreaker state in the database, so every process and worker delivering to a target shares one
+breaker for it (process memory would give each worker its own, and a down target would be hit
+fail_max times per worker)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import pybreaker
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+
+from delivery.store.tables import breaker_states
+
+
+class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
+    """Every read and write is its own short transaction: the breaker must see what other
+    processes did a moment ago, never a snapshot."""
+
+    def __init__(self, engine: sa.Engine, connection_id: int) -> None:
+        super().__init__(f"connection-{connection_id}")
+        self._engine = engine
+        self._id = connection_id
+        self._ensure_row()
+
+    def _ensure_row(self) -> None:
+        with self._engine.begin() as conn:
+            exists = conn.execute(
+                sa.select(breaker_states.c.connection_id).where(breaker_states.c.connection_id == self._id)
+            ).first()
+            if exists is None:
+                try:
+                    with conn.begin_nested():
+                        conn.execute(
+                            breaker_states.insert().values(
+                                connection_id=self._id,
+                                state=pybreaker.STATE_CLOSED,
+                                fail_counter=0,
+                                success_counter=0,
+                                opened_at=None,
+                            )
+                        )
+                except IntegrityError:
+                    pass  # another process created it first: the same row serves us both
+
+    def _get(self, column: str) -> Any:
+        with self._engine.connect().execution_options(readonly=True) as conn:
+            return conn.execute(
+                sa.select(breaker_states.c[column]).where(breaker_states.c.connection_id == self._id)
+            ).scalar_one()
+
+    def _set(self, **values: Any) -> None:
+        with self._engine.begin() as conn:
+            conn.execute(breaker_states.update().where(breaker_states.c.connection_id == self._id).values(**values))
+
+    @property
+    def state(self) -> str:
+        return str(self._get("state"))
+
+    @state.setter
+    def state(self, state: str) -> None:
+        self._set(state=state)
+
+    def increment_counter(self) -> None:
+        self._set(fail_counter=breaker_states.c.fail_counter + 1)
+
+    def reset_counter(self) -> None:
+        # Called after every success: a conditional write keeps the common case a cheap no-op.
+        with self._engine.begin() as conn:
+            conn.execute(
+                breaker_states.update()
+                .where(breaker_states.c.connection_id == self._id, breaker_states.c.fail_counter != 0)
+                .values(fail_counter=0)
+            )
+
+    def increment_success_counter(self) -> None:
+        self._set(success_counter=breaker_states.c.success_counter + 1)
+
+    def reset_success_counter(self) -> None:
+        self._set(success_counter=0)
+
+    @property
+    def counter(self) -> int:
+        return int(self._get("fail_counter"))
+
+    @property
+    def success_counter(self) -> int:
+        return int(self._get("success_counter"))
+
+    @property
+    def opened_at(self) -> datetime | None:
+        value: datetime | None = self._get("opened_at")
+        return value
+
+    @opened_at.setter
+    def opened_at(self, value: datetime) -> None:
+        self._set(opened_at=value)
+
+
+def breaker_state(conn: sa.Connection, connection_id: int) -> dict[str, Any] | None:
+    row = conn.execute(sa.select(breaker_states).where(breaker_states.c.connection_id == connection_id)).one_or_none()
+    return None if row is None else row._asdict()

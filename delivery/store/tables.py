@@ -1,0 +1,149 @@
+"""The schema as SQLAlchemy Core tables. Alembic migrations own the database; a test compares
+`alembic upgrade head` with this metadata so the two cannot drift apart."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Dialect
+
+metadata = sa.MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+    }
+)
+
+# SQLite can only alias the rowid with INTEGER, so big ids are BIGINT on PostgreSQL alone.
+BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+class UTCDateTime(sa.TypeDecorator[datetime]):
+    """Naive UTC in the database (the same on SQLite and PostgreSQL), aware UTC in Python.
+    SQLite stores it as fixed-width text, so comparisons and keyset order stay correct."""
+
+    impl = sa.DateTime(timezone=False)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(UTC).replace(tzinfo=None)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC)  # type: ignore[no-any-return]
+
+
+connections = sa.Table(
+    "connections",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("name", sa.String(200), nullable=False, unique=True),
+    sa.Column("driver", sa.String(200)),
+    sa.Column("status", sa.String(20), nullable=False),
+    sa.Column("base_url", sa.String(2000)),
+    sa.Column("token_env", sa.String(200)),
+    sa.Column("timeout_seconds", sa.Float, nullable=False),
+    sa.Column("id_field", sa.String(200), nullable=False),
+    sa.Column("breaker_fail_max", sa.Integer, nullable=False),
+    sa.Column("breaker_reset_seconds", sa.Float, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+)
+
+mirror_records = sa.Table(
+    "mirror_records",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("source_id", sa.Integer, sa.ForeignKey("connections.id"), nullable=False),
+    sa.Column("domain", sa.String(200), nullable=False),
+    sa.Column("external_id", sa.String(500), nullable=False),
+    sa.Column("payload", sa.JSON, nullable=False),
+    # Digest of payload + deleted flag: tells a real change from a re-load without reading payloads.
+    sa.Column("content_hash", sa.String(64), nullable=False),
+    sa.Column("deleted", sa.Boolean, nullable=False),
+    sa.Column("changed_at", UTCDateTime, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.UniqueConstraint("source_id", "domain", "external_id"),
+    # The scan: one rule's source+domain in (changed_at, id) order, an index seek from the cursor.
+    sa.Index(None, "source_id", "domain", "changed_at", "id"),
+)
+
+rules = sa.Table(
+    "rules",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("name", sa.String(200), nullable=False, unique=True),
+    sa.Column("source_id", sa.Integer, sa.ForeignKey("connections.id"), nullable=False),
+    sa.Column("domain", sa.String(200), nullable=False),
+    sa.Column("target_id", sa.Integer, sa.ForeignKey("connections.id"), nullable=False),
+    sa.Column("collection", sa.String(500), nullable=False),
+    sa.Column("policy", sa.String(40), nullable=False),
+    sa.Column("batch_size", sa.Integer, nullable=False),
+    sa.Column("overlap_seconds", sa.Integer, nullable=False),
+    sa.Column("max_attempts", sa.Integer, nullable=False),
+    sa.Column("retry_schedule", sa.JSON, nullable=False),
+    sa.Column("fields", sa.JSON),
+    sa.Column("enabled", sa.Boolean, nullable=False),
+    sa.Column("cursor_changed_at", UTCDateTime),
+    sa.Column("cursor_record_id", sa.BigInteger),
+    # The fence: only the chain holding this token may write for the rule.
+    sa.Column("chain_token", sa.String(64)),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+)
+
+ledger = sa.Table(
+    "ledger",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("rule_id", sa.Integer, sa.ForeignKey("rules.id"), nullable=False),
+    sa.Column("record_id", sa.BigInteger, sa.ForeignKey("mirror_records.id"), nullable=False),
+    sa.Column("status", sa.String(20), nullable=False),
+    sa.Column("remote_id", sa.String(500)),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("next_attempt_at", UTCDateTime),
+    sa.Column("last_error", sa.Text),
+    sa.Column("settled_changed_at", UTCDateTime),
+    sa.Column("fingerprint", sa.String(64)),
+    sa.Column("create_generation", sa.Integer, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+    sa.UniqueConstraint("rule_id", "record_id"),
+    # The drain (failed rows due, oldest first) and the per-status counts.
+    sa.Index(None, "rule_id", "status", "next_attempt_at", "id"),
+)
+
+chains = sa.Table(
+    "chains",
+    metadata,
+    sa.Column("token", sa.String(64), primary_key=True),
+    sa.Column("rule_id", sa.Integer, sa.ForeignKey("rules.id"), nullable=False),
+    sa.Column("flow_run_id", sa.String(64)),
+    sa.Column("started_at", UTCDateTime, nullable=False),
+    sa.Column("heartbeat_at", UTCDateTime, nullable=False),
+    sa.Column("ended_at", UTCDateTime),
+    sa.Column("ended_by", sa.String(20)),
+    sa.Column("message", sa.Text),
+    sa.Column("report", sa.JSON),
+    sa.Index(None, "rule_id", "started_at"),
+)
+
+breaker_states = sa.Table(
+    "breaker_states",
+    metadata,
+    sa.Column("connection_id", sa.Integer, sa.ForeignKey("connections.id"), primary_key=True),
+    sa.Column("state", sa.String(20), nullable=False),
+    sa.Column("fail_counter", sa.Integer, nullable=False),
+    sa.Column("success_counter", sa.Integer, nullable=False),
+    sa.Column("opened_at", UTCDateTime),
+)

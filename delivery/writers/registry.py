@@ -1,0 +1,50 @@
+"""Writers found by driver name: the built-in REST family plus any third-party writer that
+registers itself under the `delivery.writers` entry-point group."""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib.metadata import entry_points
+
+from delivery.writers.base import Writer
+
+ENTRY_POINT_GROUP = "delivery.writers"
+
+
+@cache
+def _registry() -> dict[str, type[Writer]]:
+    # Built-ins are named here as well as in pyproject.toml so they work from a plain checkout.
+    from delivery.writers.rest import RestCreateOnlyWriter, RestUpdateOnlyWriter, RestWriter
+
+    found: dict[str, type[Writer]] = {
+        "rest": RestWriter,
+        "rest-create-only": RestCreateOnlyWriter,
+        "rest-update-only": RestUpdateOnlyWriter,
+    }
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        if entry.name in found:
+            continue
+        loaded = entry.load()
+        if isinstance(loaded, type) and issubclass(loaded, Writer):
+            found[entry.name] = loaded
+    return found
+
+
+def find_writer(driver: str | None) -> type[Writer] | None:
+    if driver is None:
+        return None
+    return _registry().get(driver)
+
+
+def registered_drivers() -> list[str]:
+    return sorted(_registry())
+
+
+def reset_registry() -> None:
+    """Forget the cached registry (tests that install a writer at run time)."""
+    _registry.cache_clear()
+
+
+def register_writer(driver: str, writer_type: type[Writer]) -> None:
+    """Register a writer in this process (what an entry point does for an installed package)."""
+    _registry()[driver] = writer_type

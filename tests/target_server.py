@@ -1,0 +1,491 @@
+"""A real, threaded HTTP target that imitates a REST JSON API, for delivery tests.
+
+Why a real socket server instead of a mocked transport: the engine's failure
+handling (timeouts, dropped connections, keep-alive pooling, retry-after) only
+means something against real TCP behaviour.  Mocks at the httpx layer would let
+bugs in connection handling slip through.
+
+Why per-record scripting: delivery tests need to say "this one record fails
+twice then succeeds" while the rest of the batch behaves normally, so answers
+are queued per *record key* rather than globally.
+
+Only the standard library is used so the server can never drift with a
+third-party dependency upgrade.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+__all__ = ["Answer", "AnswerKind", "RecordedRequest", "TargetServer"]
+
+API_PREFIX = "/api"
+
+AnswerKind = Literal["status", "timeout", "no_id", "not_json", "drop", "echo_headers"]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One scripted reply; built through the class-method helpers.
+
+    Kept as plain data (not callables) so a failing test can print the queue
+    and a reader sees at a glance what the target was told to do.
+    """
+
+    kind: AnswerKind
+    code: int | None = None
+    body: Any = None
+    headers: dict[str, str] | None = None
+    seconds: float = 0.0
+
+    @classmethod
+    def status(cls, code: int, body: Any = None, headers: dict[str, str] | None = None) -> Answer:
+        """Reply with ``code`` and a JSON body, storing nothing.
+
+        A default body is provided so error-path tests can assert the engine
+        captured *something* from the target without spelling it out.
+        """
+        if body is None:
+            body = {"error": f"scripted {code}"}
+        return cls(kind="status", code=code, body=body, headers=dict(headers) if headers else None)
+
+    @classmethod
+    def timeout(cls, seconds: float) -> Answer:
+        """Stall, then process the request normally.
+
+        The request still takes effect after the delay on purpose: that is the
+        ambiguous outcome a real slow target produces (the client gave up, the
+        server committed), which idempotency handling must survive.
+        """
+        return cls(kind="timeout", seconds=seconds)
+
+    @classmethod
+    def no_id(cls) -> Answer:
+        """Answer 201 without an ``id`` so the engine cannot learn a remote id."""
+        return cls(kind="no_id")
+
+    @classmethod
+    def not_json(cls) -> Answer:
+        """Answer 2xx with a ``text/plain`` body; nothing is stored.
+
+        Exercises the engine's handling of success responses it cannot parse.
+        """
+        return cls(kind="not_json")
+
+    @classmethod
+    def drop(cls) -> Answer:
+        """Close the connection without a response, i.e. a transport error for the client."""
+        return cls(kind="drop")
+
+    @classmethod
+    def echo_headers(cls, code: int) -> Answer:
+        """Reply ``code`` with every request header in the body.
+
+        Lets tests prove the engine redacts secrets that a target reflects back
+        into error bodies before it logs or stores them.
+        """
+        return cls(kind="echo_headers", code=code)
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """What arrived, captured before any answer logic so failed requests count too.
+
+    ``headers`` keys are lower-cased so assertions do not depend on the client's
+    casing; ``time`` is ``time.monotonic()`` so tests can measure backoff gaps.
+    """
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    json: Any | None
+    key: str | None
+    time: float
+
+
+@dataclass
+class _Reply:
+    """Internal: a fully decided response, written in one place so Content-Length is always right."""
+
+    code: int
+    body: bytes = b""
+    content_type: str | None = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of_json(cls, code: int, payload: Any, headers: dict[str, str] | None = None) -> _Reply:
+        return cls(code=code, body=json.dumps(payload).encode("utf-8"), headers=dict(headers or {}))
+
+
+class _Drop(Exception):
+    """Internal signal: abandon the connection without writing anything."""
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    """Carries a back-reference to the :class:`TargetServer` that owns the state."""
+
+    daemon_threads = True
+    # Without this a restarted test server can fail to bind a port still in TIME_WAIT.
+    allow_reuse_address = True
+
+    def __init__(self, target: TargetServer) -> None:
+        self.target = target
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Stay quiet: clients hanging up mid-answer is expected in these tests, not a failure."""
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Routes every method through one function so the cross-cutting rules apply uniformly."""
+
+    # HTTP/1.1 keep-alive so an httpx pooled client reuses connections as in production.
+    protocol_version = "HTTP/1.1"
+    server: _HTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Silence per-request stderr noise that would drown pytest output."""
+
+    def do_GET(self) -> None:
+        self._handle()
+
+    def do_POST(self) -> None:
+        self._handle()
+
+    def do_PATCH(self) -> None:
+        self._handle()
+
+    def do_DELETE(self) -> None:
+        self._handle()
+
+    def do_PUT(self) -> None:
+        self._handle()
+
+    def _read_body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length > 0 else b""
+
+    def _handle(self) -> None:
+        try:
+            # The body is always consumed first so the keep-alive stream stays
+            # in sync no matter which answer (401, 503, scripted) follows.
+            raw = self._read_body()
+            reply = self.server.target._dispatch(self.command, self.path, self.headers, raw)
+        except _Drop:
+            self._drop()
+            return
+        except (ConnectionError, TimeoutError, ValueError):
+            self.close_connection = True
+            return
+        self._write(reply)
+
+    def _drop(self) -> None:
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _write(self, reply: _Reply) -> None:
+        try:
+            self.send_response(reply.code)
+            for name, value in reply.headers.items():
+                self.send_header(name, value)
+            if reply.content_type is not None and reply.body:
+                self.send_header("Content-Type", reply.content_type)
+            self.send_header("Content-Length", str(len(reply.body)))
+            self.end_headers()
+            if reply.body:
+                self.wfile.write(reply.body)
+            self.wfile.flush()
+        except (ConnectionError, OSError):
+            # The client already gave up (e.g. its timeout fired); nothing to tell it.
+            self.close_connection = True
+
+
+class TargetServer:
+    """A programmable local REST target: ``/api/{collection}[/{id}]`` over real HTTP.
+
+    All mutable state sits behind one lock because the server answers each
+    connection on its own thread and tests read counters concurrently.
+    """
+
+    def __init__(self, token: str | None = None) -> None:
+        self.token = token
+        self.down: bool = False
+        self.latency_ms: int = 0
+        self.requests: list[RecordedRequest] = []
+        self._lock = threading.Lock()
+        self._collections: dict[str, dict[str, dict[str, Any]]] = {}
+        self._scripts: dict[str, deque[Answer]] = {}
+        self._idempotency: dict[tuple[str, str], dict[str, Any]] = {}
+        self._next_id = 1
+        self._httpd: _HTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        # Set on stop so handlers sleeping for latency/timeout answers abandon
+        # their request instead of keeping a daemon thread busy after the test.
+        self._stopping = threading.Event()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> TargetServer:
+        """Bind to an ephemeral port so parallel test runs never collide."""
+        if self._httpd is not None:
+            return self
+        self._stopping.clear()
+        self._httpd = _HTTPServer(self)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"target-server-{self.port}",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Shut down and release the socket; safe to call twice."""
+        httpd, thread = self._httpd, self._thread
+        if httpd is None:
+            return
+        self._stopping.set()
+        httpd.shutdown()
+        httpd.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+        self._httpd = None
+        self._thread = None
+
+    def __enter__(self) -> TargetServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        if self._httpd is None:
+            raise RuntimeError("TargetServer is not started")
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """Base URL including ``/api`` so tests configure targets exactly as users would."""
+        return f"http://127.0.0.1:{self.port}{API_PREFIX}"
+
+    # --------------------------------------------------------------- programming
+
+    def program(self, key: str, *answers: Answer) -> None:
+        """Queue answers for requests about ``key``; once drained, default behaviour resumes.
+
+        Appending (rather than replacing) lets a test build up a script in steps.
+        """
+        for answer in answers:
+            if not isinstance(answer, Answer):
+                raise TypeError(f"expected Answer, got {type(answer).__name__}")
+        with self._lock:
+            self._scripts.setdefault(str(key), deque()).extend(answers)
+
+    def program_remote(self, remote_id: str, *answers: Answer) -> None:
+        """Script PATCHes by remote id; same queue as :meth:`program` since PATCH keys on its id."""
+        self.program(remote_id, *answers)
+
+    def reset(self) -> None:
+        """Return to a pristine target so one server can be shared across tests."""
+        with self._lock:
+            self._collections.clear()
+            self._scripts.clear()
+            self._idempotency.clear()
+            self.requests.clear()
+            self._next_id = 1
+            self.down = False
+            self.latency_ms = 0
+
+    # ------------------------------------------------------------------ counters
+
+    def count(self, key: str) -> int:
+        """How many requests (whatever their answer) concerned ``key``."""
+        with self._lock:
+            return sum(1 for r in self.requests if r.key == key)
+
+    def requests_for(self, key: str) -> list[RecordedRequest]:
+        """The requests about ``key`` in arrival order, for timing/header assertions."""
+        with self._lock:
+            return [r for r in self.requests if r.key == key]
+
+    def records(self, collection: str) -> dict[str, dict[str, Any]]:
+        """A deep copy of what is stored, so test assertions cannot race with handlers."""
+        with self._lock:
+            return copy.deepcopy(self._collections.get(collection, {}))
+
+    def pending(self, key: str) -> int:
+        """Scripted answers not yet consumed; lets a test assert its script was fully used."""
+        with self._lock:
+            return len(self._scripts.get(key, ()))
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _dispatch(self, method: str, raw_path: str, headers: Any, raw: bytes) -> _Reply:
+        """Decide the reply; raises :class:`_Drop` to hang up. Runs on a handler thread."""
+        path = urlsplit(raw_path).path
+        collection, remote_id = _parse_path(path)
+
+        body: Any | None = None
+        body_error = False
+        if raw:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body_error = True
+
+        key = self._record_key(method, headers, body, remote_id)
+        header_dict = {name.lower(): value for name, value in headers.items()}
+        with self._lock:
+            self.requests.append(RecordedRequest(method, path, header_dict, body, key, time.monotonic()))
+            latency = self.latency_ms
+        if latency > 0:
+            self._sleep(latency / 1000)
+
+        if self.down:
+            return _Reply.of_json(503, {"error": "target down"})
+        if self.token is not None and headers.get("Authorization") != f"Bearer {self.token}":
+            return _Reply.of_json(401, {"error": "unauthorized"})
+
+        answer = self._pop_answer(key)
+        if answer is not None:
+            scripted = self._scripted(answer, method, header_dict)
+            if scripted is not None:
+                return scripted
+
+        if collection is None:
+            return _Reply.of_json(404, {"error": "not found"})
+        if body_error:
+            return _Reply.of_json(400, {"error": "invalid json"})
+        return self._default(method, collection, remote_id, body, headers.get("Idempotency-Key"))
+
+    @staticmethod
+    def _record_key(method: str, headers: Any, body: Any, remote_id: str | None) -> str | None:
+        """Header first so the engine (or a test) can always be explicit about the record."""
+        explicit = headers.get("X-Record-Key")
+        if explicit:
+            return str(explicit)
+        if method == "POST" and isinstance(body, dict) and body.get("email") is not None:
+            return str(body["email"])
+        if method == "PATCH" and remote_id is not None:
+            return remote_id
+        return None
+
+    def _pop_answer(self, key: str | None) -> Answer | None:
+        if key is None:
+            return None
+        with self._lock:
+            queue = self._scripts.get(key)
+            return queue.popleft() if queue else None
+
+    def _sleep(self, seconds: float) -> None:
+        """Interruptible by :meth:`stop`, so a stalled answer never outlives its test."""
+        if self._stopping.wait(seconds):
+            raise _Drop
+
+    def _scripted(self, answer: Answer, method: str, headers: dict[str, str]) -> _Reply | None:
+        """Build the scripted reply, or ``None`` when the answer defers to default behaviour."""
+        success = 201 if method == "POST" else 200
+        if answer.kind == "status":
+            assert answer.code is not None
+            return _Reply.of_json(answer.code, answer.body, answer.headers)
+        if answer.kind == "timeout":
+            self._sleep(answer.seconds)
+            return None
+        if answer.kind == "no_id":
+            return _Reply.of_json(success, {"status": "created"})
+        if answer.kind == "not_json":
+            return _Reply(code=success, body=b"ok", content_type="text/plain")
+        if answer.kind == "drop":
+            raise _Drop
+        if answer.kind == "echo_headers":
+            assert answer.code is not None
+            return _Reply.of_json(answer.code, {"error": f"scripted {answer.code}", "headers": headers})
+        raise AssertionError(f"unknown answer kind {answer.kind!r}")
+
+    def _default(
+        self,
+        method: str,
+        collection: str,
+        remote_id: str | None,
+        body: Any,
+        idempotency_key: str | None,
+    ) -> _Reply:
+        """The well-behaved REST API the scripts deviate from."""
+        with self._lock:
+            store = self._collections.setdefault(collection, {})
+            if remote_id is None:
+                if method == "GET":
+                    return _Reply.of_json(200, list(store.values()))
+                if method == "POST":
+                    return self._create(store, collection, body, idempotency_key)
+                return _Reply.of_json(405, {"error": "method not allowed"})
+
+            record = store.get(remote_id)
+            if record is None or method not in ("GET", "PATCH", "DELETE"):
+                code, error = (404, "not found") if record is None else (405, "method not allowed")
+                return _Reply.of_json(code, {"error": error})
+            if method == "GET":
+                return _Reply.of_json(200, record)
+            if method == "DELETE":
+                del store[remote_id]
+                return _Reply(code=204, content_type=None)
+            if not isinstance(body, dict):
+                return _Reply.of_json(400, {"error": "body must be a JSON object"})
+            record.update({k: v for k, v in body.items() if k != "id"})
+            return _Reply.of_json(200, record)
+
+    def _create(
+        self,
+        store: dict[str, dict[str, Any]],
+        collection: str,
+        body: Any,
+        idempotency_key: str | None,
+    ) -> _Reply:
+        """Check-and-create under the caller's lock so concurrent retries make one record."""
+        if not isinstance(body, dict):
+            return _Reply.of_json(400, {"error": "body must be a JSON object"})
+        if idempotency_key:
+            seen = self._idempotency.get((collection, idempotency_key))
+            if seen is not None:
+                # Prefer the live record (it may have been patched); fall back
+                # to the original answer if a test deleted it since.
+                current = store.get(seen["id"], seen)
+                return _Reply.of_json(201, current)
+        new_id = f"r-{self._next_id}"
+        self._next_id += 1
+        record = {"id": new_id, **{k: v for k, v in body.items() if k != "id"}}
+        store[new_id] = record
+        if idempotency_key:
+            self._idempotency[(collection, idempotency_key)] = copy.deepcopy(record)
+        return _Reply.of_json(201, record)
+
+
+def _parse_path(path: str) -> tuple[str | None, str | None]:
+    """Split ``/api/{collection}[/{id}]``; anything else yields ``(None, None)`` → 404."""
+    if not path.startswith(API_PREFIX + "/"):
+        return None, None
+    parts = [p for p in path[len(API_PREFIX) + 1 :].split("/") if p]
+    if len(parts) == 1:
+        return parts[0], None
+    if len(parts) == 2:
+        return parts[0], parts[1]
+    return None, None
