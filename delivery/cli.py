@@ -6,6 +6,7 @@ Refused input exits 2 with a message naming what is wrong and where, and writes 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -19,8 +20,11 @@ from rich.table import Table
 from delivery.db import shared_engine, upgrade
 from delivery.domain import ConnectionStatus, LedgerStatus
 from delivery.errors import InputError
-from delivery.store import catalog, chains
+from delivery.store import catalog
 from delivery.store import ledger as ledger_store
+
+# The ephemeral Prefect server would otherwise try to phone home from machines with no internet.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 app = typer.Typer(
     name="delivery",
@@ -204,32 +208,11 @@ def run(
 
     Exit 0 when the chain is Completed (caught up, route closed, breaker open, superseded),
     1 when it Failed (a rule fault), 2 for an unknown rule."""
-    import asyncio
-
     with _read() as conn:
         catalog.get_rule(conn, rule)
-    from flows.deliver_rule import deliver_rule
+    from flows.deliver_rule import run_now
 
-    async def _run() -> Any:
-        return await deliver_rule(rule=rule, return_state=True)
-
-    state = asyncio.run(_run())
-    flow_run_id = str(state.state_details.flow_run_id)
-    with _read() as conn:
-        chain = chains.chain_by_flow_run(conn, flow_run_id)
-    report: dict[str, Any] = dict((chain or {}).get("report") or {})
-    result = {
-        "rule": rule,
-        "state": "COMPLETED" if state.is_completed() else "FAILED",
-        "ended_by": report.get("ended_by", "rule_fault"),
-        "message": report.get("message") or state.message or "",
-        "counts": report.get("counts", {s.value: 0 for s in LedgerStatus}),
-        "drained": report.get("drained", {}),
-        "scanned": report.get("scanned", {}),
-        "cursor_before": report.get("cursor_before"),
-        "cursor_after": report.get("cursor_after"),
-        "flow_run_id": flow_run_id,
-    }
+    result = run_now(rule)
     if as_json:
         _print_json(result)
     else:
@@ -242,7 +225,7 @@ def run(
             table.add_row(s.value, str(result["drained"].get(s.value, 0)), str(result["scanned"].get(s.value, 0)))
         out.print(table)
         out.print(f"cursor: {result['cursor_before']} -> {result['cursor_after']}")
-        out.print(f"flow run: {flow_run_id}")
+        out.print(f"flow run: {result['flow_run_id']}")
     raise typer.Exit(0 if result["state"] == "COMPLETED" else 1)
 
 

@@ -4,12 +4,11 @@ has no writer, or whose policy needs a verb the writer's type lacks, is refused.
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from delivery.domain import ConnectionStatus, Policy
 from delivery.errors import ConfigError
@@ -68,18 +67,6 @@ class DeliveryConfig(_Strict):
     connections: list[ConnectionConfig] = Field(default_factory=list)
     rules: list[RuleConfig] = Field(default_factory=list)
 
-    @model_validator(mode="after")
-    def _unique_names(self) -> DeliveryConfig:
-        for kind, names in (
-            ("connections", [c.name for c in self.connections]),
-            ("rules", [r.name for r in self.rules]),
-        ):
-            counts = Counter(names)
-            for index, name in enumerate(names):
-                if counts[name] > 1:
-                    raise ValueError(f"{kind}[{index}].name: {name!r} is declared more than once")
-        return self
-
 
 def _location(loc: tuple[int | str, ...]) -> str:
     path = ""
@@ -103,13 +90,31 @@ def parse_config(text: str, origin: str = "config") -> DeliveryConfig:
     if not isinstance(data, dict):
         raise ConfigError([f"{origin}: the top level must be a mapping with 'connections' and 'rules'"])
     try:
-        return DeliveryConfig.model_validate(data)
+        config = DeliveryConfig.model_validate(data)
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
             message = error["msg"].removeprefix("Value error, ")
             problems.append(f"{_location(error['loc'])}: {message}")
         raise ConfigError(problems) from exc
+    _check_unique_names(config)
+    return config
+
+
+def _check_unique_names(config: DeliveryConfig) -> None:
+    problems = []
+    for kind, names in (
+        ("connections", [c.name for c in config.connections]),
+        ("rules", [r.name for r in config.rules]),
+    ):
+        seen: dict[str, int] = {}
+        for index, name in enumerate(names):
+            if name in seen:
+                problems.append(f"{kind}[{index}].name: {name!r} is already declared at {kind}[{seen[name]}]")
+            else:
+                seen[name] = index
+    if problems:
+        raise ConfigError(problems)
 
 
 def load_config(path: Path) -> DeliveryConfig:
@@ -117,6 +122,8 @@ def load_config(path: Path) -> DeliveryConfig:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([f"{path}: cannot be read: {exc.strerror}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not valid UTF-8 (byte {exc.start})"]) from exc
     return parse_config(text, str(path))
 
 

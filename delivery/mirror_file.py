@@ -38,16 +38,17 @@ def parse_line(number: int, line: str) -> MirrorInput:
 
 
 def read_mirror_file(path: Path) -> Iterator[MirrorInput]:
-    """Stream the file: 100k lines never sit in memory at once. Blank lines are ignored."""
+    """Stream the file: 100k lines never sit in memory at once. Blank lines are ignored. Lines are
+    decoded one by one so that bad UTF-8 is reported on its own line."""
     try:
-        handle = path.open(encoding="utf-8")
+        handle = path.open("rb")
     except OSError as exc:
         raise MirrorLoadError(0, f"{path} cannot be read: {exc.strerror}") from exc
     with handle:
-        number = 0
-        try:
-            for number, line in enumerate(handle, start=1):
-                if line.strip():
-                    yield parse_line(number, line)
-        except UnicodeDecodeError as exc:
-            raise MirrorLoadError(number + 1, "not valid UTF-8") from exc
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise MirrorLoadError(number, f"not valid UTF-8 (byte {exc.start + 1} of the line)") from exc
+            if line.strip():
+                yield parse_line(number, line)

@@ -131,3 +131,32 @@ async def deliver_rule(rule: str) -> State[Any]:
     message = report.message or f"caught up: {counts or 'nothing to deliver'}"
     logger.info("chain of %s ended by %s: %s", rule, report.ended_by.value, message)
     return Completed(message=message, data=report.as_json())
+
+
+def run_now(rule: str) -> dict[str, Any]:
+    """Run one chain of `rule` in this process and summarise it (what `delivery run --json` prints)."""
+    import asyncio
+
+    from delivery.store import chains
+
+    async def _run() -> Any:
+        return await deliver_rule(rule=rule, return_state=True)
+
+    state = asyncio.run(_run())
+    flow_run_id = str(state.state_details.flow_run_id)
+    with shared_engine().connect().execution_options(readonly=True) as conn:
+        chain = chains.chain_by_flow_run(conn, flow_run_id)
+    report: dict[str, Any] = dict((chain or {}).get("report") or {})
+    empty = {s.value: 0 for s in LedgerStatus}
+    return {
+        "rule": rule,
+        "state": "COMPLETED" if state.is_completed() else "FAILED",
+        "ended_by": report.get("ended_by", ChainEnd.RULE_FAULT.value),
+        "message": report.get("message") or state.message or "",
+        "counts": report.get("counts", empty),
+        "drained": report.get("drained", empty),
+        "scanned": report.get("scanned", empty),
+        "cursor_before": report.get("cursor_before"),
+        "cursor_after": report.get("cursor_after"),
+        "flow_run_id": flow_run_id,
+    }

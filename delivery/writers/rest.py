@@ -7,7 +7,9 @@ own record faults here and nowhere else, most specific first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from datetime import UTC
 from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import quote
@@ -30,13 +32,17 @@ def retry_after_seconds(value: str | None) -> float | None:
         return None
     value = value.strip()
     try:
-        return max(float(value), 0.0)
+        seconds = float(value)
     except ValueError:
         pass
+    else:  # lenient about "1.5" and "-5", but "nan" and "inf" are no delay
+        return max(seconds, 0.0) if math.isfinite(seconds) else None
     try:
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError):
         return None
+    if when.tzinfo is None:  # the asctime form and "-0000" carry no zone: HTTP dates are UTC
+        when = when.replace(tzinfo=UTC)
     return max((when - utcnow()).total_seconds(), 0.0)
 
 
@@ -74,7 +80,7 @@ class _RestWriter(Writer):
 
     def _refuse(self, method: str, path: str, response: httpx.Response, *, gone_on_404: bool) -> Exception:
         code = response.status_code
-        what = self._clean(f"{method} {path}: HTTP {code}: {response.text[:BODY_EXCERPT]}")
+        what = f"{method} {path}: HTTP {code}: {self._excerpt(response)}"
         if code in (404, 410) and gone_on_404:
             return RemoteGone(what)
         if code == 429 or code >= 500:
@@ -83,6 +89,10 @@ class _RestWriter(Writer):
 
     def _clean(self, text: str) -> str:
         return redact(text, self._token)
+
+    def _excerpt(self, response: httpx.Response) -> str:
+        # Redact before cutting: a token straddling the cut would otherwise leak its first part.
+        return self._clean(response.text)[:BODY_EXCERPT]
 
     def _create(self, body: Mapping[str, Any], idempotency_key: str) -> str:
         path = self.collection
@@ -96,18 +106,24 @@ class _RestWriter(Writer):
         remote_id = answer.get(self.target.id_field) if isinstance(answer, dict) else None
         if remote_id is None or isinstance(remote_id, (dict, list, bool)) or str(remote_id) == "":
             raise Unaddressable(
-                self._clean(
-                    f"POST {path}: HTTP {response.status_code} answer has no usable {self.target.id_field!r}: "
-                    f"{response.text[:BODY_EXCERPT]}"
-                )
+                f"POST {path}: HTTP {response.status_code} answer has no usable {self.target.id_field!r}: "
+                f"{self._excerpt(response)}"
             )
         return str(remote_id)
 
     def _update(self, remote_id: str, body: Mapping[str, Any]) -> None:
-        path = f"{self.collection}/{quote(remote_id, safe='')}"
+        path = f"{self.collection}/{_segment(remote_id)}"
         response = self._send("PATCH", path, body, {})
         if not response.is_success:
             raise self._refuse("PATCH", path, response, gone_on_404=True)
+
+
+def _segment(remote_id: str) -> str:
+    """One URL path segment. "." and ".." would be collapsed by URL normalisation and address the
+    collection or its parent instead of the record, so they are percent-encoded too."""
+    if remote_id in (".", ".."):
+        return remote_id.replace(".", "%2E")
+    return quote(remote_id, safe="")
 
 
 class RestWriter(_RestWriter, Creates, Updates):

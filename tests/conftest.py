@@ -1,0 +1,122 @@
+"""Shared fixtures: a database per test on SQLite *and* PostgreSQL, the Prefect test harness, and a
+real local HTTP target."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+
+import sqlalchemy as sa
+
+from delivery import db
+from delivery.store.tables import metadata
+from tests.target_server import TargetServer
+
+POSTGRES_URL = os.environ.get("DELIVERY_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def _with_database(url: str, name: str) -> str:
+    return sa.engine.make_url(url).set(database=name).render_as_string(hide_password=False)
+
+
+def create_postgres_database(name: str) -> str:
+    admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    admin.dispose()
+    return _with_database(POSTGRES_URL, name)
+
+
+def drop_postgres_database(name: str) -> None:
+    admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_template() -> Iterator[str]:
+    """One migrated PostgreSQL database for the session; each test empties it first."""
+    name = f"delivery_test_{os.getpid()}"
+    url = create_postgres_database(name)
+    engine = db.create_engine(url)
+    db.upgrade(engine)
+    engine.dispose()
+    yield url
+    db.dispose_engines()
+    drop_postgres_database(name)
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Migrate once, copy per test: a fresh SQLite database costs a file copy."""
+    path = tmp_path_factory.mktemp("template") / "delivery.db"
+    engine = db.create_engine(f"sqlite:///{path}")
+    db.upgrade(engine)
+    engine.dispose()
+    return path
+
+
+def _truncate(url: str) -> None:
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        names = ", ".join(t.name for t in metadata.sorted_tables)
+        conn.exec_driver_sql(f"TRUNCATE {names} RESTART IDENTITY CASCADE")
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A migrated, empty database, and DELIVERY_DATABASE_URL pointing at it (flows read it)."""
+    if request.param == "sqlite":
+        path = tmp_path / "delivery.db"
+        shutil.copy(request.getfixturevalue("sqlite_template"), path)
+        url = f"sqlite:///{path}"
+    else:
+        url = request.getfixturevalue("postgres_template")
+        _truncate(url)
+    monkeypatch.setenv(db.DATABASE_URL_ENV, url)
+    yield url
+    db.dispose_engines()
+
+
+@pytest.fixture
+def engine(db_url: str) -> sa.Engine:
+    return db.shared_engine(db_url)
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[None]:
+    """The real Prefect API on a test server, started once (it costs 15-20 s)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def _target_session() -> Iterator[TargetServer]:
+    server = TargetServer(token="s3cr3t-token-value").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def target(_target_session: TargetServer, monkeypatch: pytest.MonkeyPatch) -> TargetServer:
+    """The real local HTTP target, emptied for this test; CRM_TOKEN holds its bearer token."""
+    _target_session.reset()
+    monkeypatch.setenv("CRM_TOKEN", "s3cr3t-token-value")
+    return _target_session
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"

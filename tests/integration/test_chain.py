@@ -1,0 +1,415 @@
+"""The delivery chain through the real `deliver-rule` flow, on SQLite and PostgreSQL, against a
+real local HTTP target: every row of the design's two fault tables, drain before scan, the cursor."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import sqlalchemy as sa
+
+from delivery.clock import utcnow
+from delivery.store.tables import chains, connections
+from tests.integration.world import RULE, World
+from tests.target_server import Answer, TargetServer
+
+
+@pytest.fixture
+def world(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
+    return World(engine, target).apply()
+
+
+def posts(target: TargetServer) -> list[str]:
+    return [r.key for r in target.requests if r.method == "POST"]
+
+
+# -- success, suppression, re-offering --------------------------------------------------------
+
+
+def test_creates_then_updates_by_remote_id_and_a_caught_up_rule_sends_nothing(world: World) -> None:
+    world.load("a", "b")
+    result = world.run()
+    assert result["state"] == "COMPLETED" and result["ended_by"] == "caught_up"
+    assert result["counts"]["delivered"] == 2 and result["scanned"]["delivered"] == 2
+    rows = world.ledger()
+    assert {rows["a"]["status"], rows["b"]["status"]} == {"delivered"}
+    assert rows["a"]["remote_id"] and rows["a"]["attempts"] == 0
+    stored = world.target.records("contacts")
+    assert stored[rows["a"]["remote_id"]]["email"] == "a@example.com"
+    first_post = world.target.requests[0]
+    assert first_post.headers["idempotency-key"] and first_post.headers["authorization"].startswith("Bearer ")
+
+    sent = len(world.target.requests)
+    again = world.run()
+    assert again["counts"]["delivered"] == 0 and len(world.target.requests) == sent
+
+    world.load("a", name="Renamed")
+    third = world.run()
+    assert third["scanned"]["delivered"] == 1
+    patch = world.target.requests[-1]
+    assert patch.method == "PATCH" and patch.path.endswith(f"/contacts/{rows['a']['remote_id']}")
+    assert stored != world.target.records("contacts")
+    assert world.target.records("contacts")[rows["a"]["remote_id"]]["name"] == "Renamed"
+
+
+def test_identical_mapped_payload_is_suppressed_without_calling_the_target(world: World) -> None:
+    world.apply(rule={"fields": {"email": "email", "full_name": "name"}})
+    world.load("a", note="one")
+    world.run()
+    sent = len(world.target.requests)
+    world.load("a", note="two")  # the change is in a field the rule does not map
+    result = world.run()
+    assert result["scanned"]["suppressed"] == 1
+    assert len(world.target.requests) == sent
+    row = world.ledger()["a"]
+    assert row["status"] == "suppressed" and row["remote_id"]
+    # A suppressed row is offered again when its record's change signal moves.
+    world.load("a", note="three", name="New name")
+    assert world.run()["scanned"]["delivered"] == 1
+    assert world.target.requests[-1].method == "PATCH"
+
+
+def test_policy_that_excludes_the_verb_suppresses(world: World) -> None:
+    world.apply(rule={"policy": "update_only"})
+    world.load("new")
+    result = world.run()
+    assert result["scanned"]["suppressed"] == 1 and world.target.requests == []
+    assert "excludes create" in world.ledger()["new"]["last_error"]
+
+    world.apply(rule={"policy": "create_only"})
+    world.load("x")
+    world.run()
+    world.load("x", name="changed")
+    result = world.run()
+    assert result["scanned"]["suppressed"] == 1
+    assert [r.method for r in world.target.requests] == ["POST"]
+
+
+# -- record faults ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected_error"),
+    [
+        (Answer.timeout(1.5), "timed out"),
+        (Answer.status(503), "HTTP 503"),
+        (Answer.status(422, body={"error": "email is invalid"}), "HTTP 422"),
+        (Answer.drop(), "POST contacts"),
+    ],
+    ids=["timeout", "5xx", "rejected-field", "connection-error"],
+)
+def test_transient_and_rejected_writes_park_the_record_as_failed_and_the_job_carries_on(
+    world: World, answer: Answer, expected_error: str
+) -> None:
+    world.load("bad", "good")
+    world.target.program(world.key("bad"), answer)
+    before = utcnow()
+    result = world.run()
+    assert result["state"] == "COMPLETED"
+    rows = world.ledger()
+    assert rows["good"]["status"] == "delivered"
+    bad = rows["bad"]
+    assert bad["status"] == "failed" and bad["attempts"] == 1
+    assert expected_error in bad["last_error"]
+    assert before + timedelta(seconds=60) <= bad["next_attempt_at"] <= utcnow() + timedelta(seconds=60)
+    assert world.cursor() is not None and world.cursor().record_id == world.record_id("good")
+
+
+def test_rejected_field_error_carries_status_and_body_excerpt(world: World) -> None:
+    world.load("bad")
+    world.target.program(world.key("bad"), Answer.status(422, body={"error": "email is invalid"}))
+    world.run()
+    assert world.ledger()["bad"]["last_error"].startswith("POST contacts: HTTP 422: ")
+    assert "email is invalid" in world.ledger()["bad"]["last_error"]
+
+
+def test_429_honours_retry_after(world: World) -> None:
+    world.load("slow")
+    world.target.program(world.key("slow"), Answer.status(429, headers={"Retry-After": "7200"}))
+    world.run()
+    row = world.ledger()["slow"]
+    assert row["status"] == "failed"
+    assert row["next_attempt_at"] >= utcnow() + timedelta(seconds=7100)
+
+
+@pytest.mark.parametrize("code", [404, 410])
+def test_update_answered_gone_parks_remote_gone(world: World, code: int) -> None:
+    world.load("a")
+    world.run()
+    remote_id = world.ledger()["a"]["remote_id"]
+    world.load("a", name="changed")
+    world.target.program_remote(remote_id, Answer.status(code))
+    result = world.run()
+    assert result["scanned"]["remote_gone"] == 1
+    row = world.full_ledger_row("a")
+    assert row["status"] == "remote_gone" and row["next_attempt_at"] is None
+    assert f"HTTP {code}" in row["last_error"]
+
+
+@pytest.mark.parametrize("answer", [Answer.no_id(), Answer.not_json()], ids=["no-id", "not-json"])
+def test_unaddressable_create_is_exhausted_at_once(world: World, answer: Answer) -> None:
+    world.load("a")
+    world.target.program(world.key("a"), answer)
+    result = world.run()
+    assert result["scanned"]["exhausted"] == 1
+    row = world.full_ledger_row("a")
+    assert row["status"] == "exhausted" and row["next_attempt_at"] is None and row["remote_id"] is None
+    # Never offered again, even when the record changes: a retry would make a second copy.
+    world.load("a", name="changed")
+    world.make_due()
+    world.run()
+    assert world.target.count(world.key("a")) == 1
+
+
+def test_the_failure_that_reaches_max_attempts_exhausts(world: World) -> None:
+    world.load("a")
+    world.target.program(world.key("a"), Answer.status(500), Answer.status(500), Answer.status(500))
+    world.run()
+    world.make_due()
+    assert world.run()["drained"]["failed"] == 1
+    assert world.ledger()["a"]["attempts"] == 2
+    world.make_due()
+    result = world.run()
+    assert result["drained"]["exhausted"] == 1
+    row = world.ledger()["a"]
+    assert row["status"] == "exhausted" and row["attempts"] == 3 and row["next_attempt_at"] is None
+    assert "gave up after 3 attempts" in row["last_error"]
+
+
+def test_a_retried_create_carries_the_same_idempotency_key(world: World) -> None:
+    world.load("a")
+    # The target creates the record but answers too late; the retry must not make a second copy.
+    world.target.program(world.key("a"), Answer.timeout(1.5))
+    world.run()
+    assert world.ledger()["a"]["status"] == "failed"
+    world.make_due()
+    world.run()
+    keys = [r.headers["idempotency-key"] for r in world.target.requests if r.method == "POST"]
+    assert len(keys) == 2 and keys[0] == keys[1]
+    assert world.ledger()["a"]["status"] == "delivered"
+    assert len(world.target.records("contacts")) == 1
+
+
+def test_success_after_failure_resets_attempts_and_clears_the_error(world: World) -> None:
+    world.load("a")
+    world.target.program(world.key("a"), Answer.status(500))
+    world.run()
+    world.make_due()
+    result = world.run()
+    assert result["drained"]["delivered"] == 1
+    row = world.ledger()["a"]
+    assert row["attempts"] == 0 and row["last_error"] is None and row["next_attempt_at"] is None
+
+
+# -- drain before scan, terminal rows ---------------------------------------------------------
+
+
+def test_drain_comes_before_scan(world: World) -> None:
+    world.load("retry-me")
+    world.target.program(world.key("retry-me"), Answer.status(500))
+    world.run()
+    world.make_due()
+    world.load("fresh-1", "fresh-2")
+    world.target.requests.clear()
+    result = world.run()
+    assert [r.key for r in world.target.requests] == [world.key("retry-me"), world.key("fresh-1"), world.key("fresh-2")]
+    assert result["drained"]["delivered"] == 1 and result["scanned"]["delivered"] == 2
+
+
+def test_failed_rows_not_yet_due_wait_and_belong_to_the_drain(world: World) -> None:
+    world.load("a")
+    world.target.program(world.key("a"), Answer.status(500))
+    world.run()
+    world.load("a", name="changed while failed")  # the scan must leave it to the drain
+    result = world.run()
+    assert result["counts"] == {s: 0 for s in result["counts"]}
+    assert world.target.count(world.key("a")) == 1
+
+
+def test_terminal_rows_stay_parked_when_their_record_changes(world: World) -> None:
+    world.load("gone", "dead")
+    world.target.program(world.key("dead"), Answer.no_id())
+    world.run()
+    gone_remote = world.ledger()["gone"]["remote_id"]
+    world.target.program_remote(gone_remote, Answer.status(404))
+    world.load("gone", name="v2")
+    world.run()
+    assert world.ledger()["dead"]["status"] == "exhausted"
+    world.target.requests.clear()
+    world.load("gone", name="v3")
+    world.load("dead", name="v3")
+    world.make_due()
+    result = world.run()
+    assert world.target.requests == [] and result["counts"] == {s: 0 for s in result["counts"]}
+    assert world.ledger()["gone"]["status"] == "remote_gone"
+
+
+def test_deleted_records_are_not_scanned(world: World) -> None:
+    world.load("a", deleted=True)
+    world.load("b")
+    assert world.run()["scanned"]["delivered"] == 1
+    assert "a" not in world.ledger()
+
+
+def test_scan_pages_through_batches_and_the_cursor_lands_on_the_last_record(world: World) -> None:
+    ids = [f"r{n:02d}" for n in range(25)]
+    world.load(*ids)
+    result = world.run()
+    assert result["scanned"]["delivered"] == 25
+    assert result["cursor_before"] is None
+    assert result["cursor_after"]["record_id"] == world.record_id("r24")
+    assert world.cursor().record_id == world.record_id("r24")
+    assert sorted(posts(world.target)) == sorted(world.key(i) for i in ids)
+
+
+# -- rule faults that return: route closed, breaker open --------------------------------------
+
+
+@pytest.mark.parametrize(("connection", "status"), [("shop", "disabled"), ("crm", "error")])
+def test_closed_route_completes_writes_nothing_and_names_the_connection(
+    world: World, connection: str, status: str
+) -> None:
+    world.load("a")
+    with world.engine.begin() as conn:
+        conn.execute(connections.update().where(connections.c.name == connection).values(status=status))
+    result = world.run()
+    assert result["state"] == "COMPLETED" and result["ended_by"] == "route_closed"
+    assert connection in result["message"] and status in result["message"]
+    assert world.ledger() == {} and world.target.requests == [] and world.cursor() is None
+
+
+def test_open_breaker_ends_the_chain_completed_and_leaves_the_connection_alone(world: World) -> None:
+    world.load(*[f"r{n}" for n in range(6)])
+    world.target.down = True
+    result = world.run()
+    assert result["state"] == "COMPLETED" and result["ended_by"] == "breaker_open"
+    assert "breaker open" in result["message"] and "crm" in result["message"]
+    # fail_max 3: three records failed (the third tripped it), the rest were not attempted.
+    assert result["scanned"]["failed"] == 3 and len(world.ledger()) == 3
+    assert world.cursor().record_id == world.record_id("r2")  # moved past the attempted ones only
+    with world.engine.connect() as conn:
+        assert conn.execute(sa.select(connections.c.status).where(connections.c.name == "crm")).scalar() == "active"
+    sent = len(world.target.requests)
+    again = world.run()  # the breaker is still open: the chain ends before the drain
+    assert again["ended_by"] == "breaker_open" and len(world.target.requests) == sent
+
+
+def test_breaker_ignores_record_rejections(world: World) -> None:
+    world.load(*[f"r{n}" for n in range(5)])
+    for n in range(5):
+        world.target.program(world.key(f"r{n}"), Answer.status(422))
+    result = world.run()
+    assert result["ended_by"] == "caught_up" and result["scanned"]["failed"] == 5
+
+
+# -- rule faults that raise --------------------------------------------------------------------
+
+
+def test_missing_writer_fails_the_chain_and_writes_nothing(world: World) -> None:
+    world.load("a")
+    world.set_driver("soap")
+    result = world.run()
+    assert result["state"] == "FAILED" and result["ended_by"] == "rule_fault"
+    assert "MissingWriter" in result["message"] and "soap" in result["message"] and RULE in result["message"]
+    assert world.ledger() == {} and world.target.requests == []
+
+
+def test_writer_without_the_needed_verb_fails_the_chain_and_leaves_the_cursor(world: World) -> None:
+    world.load("a", "b")
+    world.run()
+    cursor = world.cursor()
+    world.set_driver("rest-create-only")  # changed after the rule was saved: updates are now impossible
+    world.load("c")
+    world.load("a", name="needs an update")
+    result = world.run()
+    assert result["state"] == "FAILED" and "UnsupportedDeliveryVerb" in result["message"]
+    assert "'update'" in result["message"] and "rest-create-only" in result["message"]
+    assert world.ledger()["a"]["status"] == "delivered"  # nothing parked for a fault of the rule
+    assert world.cursor() == cursor  # the batch raised: the cursor did not move
+
+
+def test_ledger_row_where_the_scan_saw_none_fails_the_chain(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    from delivery.store import ledger as ledger_store
+
+    world.load("a")
+    real_scan = ledger_store.scan_page
+
+    def scan_then_race(conn: sa.Connection, rule, after, limit):  # type: ignore[no-untyped-def]
+        page = real_scan(conn, rule, after, limit)
+        for candidate in page:  # another writer settles the record behind the scan's back
+            conn.execute(
+                ledger_store.ledger.insert().values(
+                    rule_id=rule.id,
+                    record_id=candidate.record.id,
+                    status="delivered",
+                    attempts=0,
+                    create_generation=0,
+                    created_at=utcnow(),
+                    updated_at=utcnow(),
+                )
+            )
+        return page
+
+    monkeypatch.setattr(ledger_store, "scan_page", scan_then_race)
+    result = world.run()
+    assert result["state"] == "FAILED" and "LedgerRowConflict" in result["message"] and "'a'" in result["message"]
+    assert world.cursor() is None
+
+
+def test_candidate_the_scan_should_never_return_fails_the_chain(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    from delivery.store import ledger as ledger_store
+
+    world.load("a")
+    world.load("other", domain="company")
+    real_scan = ledger_store.scan_page
+
+    def leaky_scan(conn: sa.Connection, rule, after, limit):  # type: ignore[no-untyped-def]
+        import dataclasses
+
+        from delivery.domain import Candidate
+
+        page = real_scan(conn, rule, after, limit)
+        return [Candidate(dataclasses.replace(page[0].record, domain="company", external_id="other"), None)]
+
+    monkeypatch.setattr(ledger_store, "scan_page", leaky_scan)
+    result = world.run()
+    assert result["state"] == "FAILED" and "UnexpectedCandidate" in result["message"]
+    assert "other source or domain" in result["message"]
+    assert world.ledger() == {} and world.target.requests == []
+
+
+# -- secrets -------------------------------------------------------------------------------------
+
+
+def test_the_token_never_reaches_ledger_errors_reports_or_logs(world: World, caplog: pytest.LogCaptureFixture) -> None:
+    world.load("a")
+    world.target.program(world.key("a"), Answer.echo_headers(422))
+    with caplog.at_level("DEBUG"):
+        result = world.run()
+    token = "s3cr3t-token-value"
+    row = world.ledger()["a"]
+    assert row["status"] == "failed" and "authori" in row["last_error"]  # the echo did reach the excerpt
+    assert token not in row["last_error"]
+    assert token not in str(result)
+    assert token not in caplog.text
+    with world.engine.connect() as conn:
+        dump = " ".join(str(r) for t in ("ledger", "chains") for r in conn.execute(sa.text(f"SELECT * FROM {t}")))
+    assert token not in dump
+
+
+def test_missing_token_variable_fails_the_chain(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    world.load("a")
+    monkeypatch.delenv("CRM_TOKEN")
+    result = world.run()
+    assert result["state"] == "FAILED" and "CRM_TOKEN" in result["message"]
+    assert world.ledger() == {}
+
+
+def test_chain_is_recorded_with_its_flow_run(world: World) -> None:
+    world.load("a")
+    result = world.run()
+    with world.engine.connect() as conn:
+        row = conn.execute(sa.select(chains)).one()._asdict()
+    assert row["flow_run_id"] == result["flow_run_id"] and row["ended_by"] == "caught_up"
+    assert isinstance(row["report"], dict) and row["report"]["counts"]["delivered"] == 1
+    assert world.rule_row()["chain_token"] == row["token"]

@@ -1,0 +1,124 @@
+"""A small world for chain tests: one source, one REST target (the real local server), one rule."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+import yaml
+
+from delivery.clock import utcnow
+from delivery.config import parse_config
+from delivery.domain import Cursor
+from delivery.store import catalog
+from delivery.store import ledger as ledger_store
+from delivery.store.mirror import MirrorInput, load_records
+from delivery.store.tables import ledger, mirror_records, rules
+from flows.deliver_rule import run_now
+from tests.target_server import TargetServer
+
+RULE = "contacts-to-crm"
+
+
+def email(external_id: str) -> str:
+    return f"{external_id}@example.com"
+
+
+class World:
+    def __init__(self, engine: sa.Engine, target: TargetServer) -> None:
+        self.engine = engine
+        self.target = target
+
+    def config(self, *, target: dict[str, Any] | None = None, rule: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {
+            "connections": [
+                {
+                    "name": "crm",
+                    "driver": "rest",
+                    "base_url": self.target.url,
+                    "token_env": "CRM_TOKEN",
+                    "timeout_seconds": 0.5,
+                    "breaker": {"fail_max": 3, "reset_seconds": 60},
+                    **(target or {}),
+                },
+                {"name": "shop"},
+            ],
+            "rules": [
+                {
+                    "name": RULE,
+                    "source": "shop",
+                    "domain": "contact",
+                    "target": "crm",
+                    "collection": "contacts",
+                    "policy": "create_and_update",
+                    "batch_size": 10,
+                    "overlap_seconds": 300,
+                    "max_attempts": 3,
+                    "retry_schedule_seconds": [60, 600],
+                    **(rule or {}),
+                }
+            ],
+        }
+
+    def apply(self, **overrides: Any) -> World:
+        with self.engine.begin() as conn:
+            catalog.apply_config(conn, parse_config(yaml.safe_dump(self.config(**overrides))))
+        return self
+
+    def load(self, *ids: str, deleted: bool = False, domain: str = "contact", **fields: Any) -> None:
+        """Upsert records whose payload is {email, name, **fields}; the email is the target's record key."""
+        items = [MirrorInput(i, {"email": email(i), "name": f"Name {i}", **fields}, deleted) for i in ids]
+        with self.engine.begin() as conn:
+            load_records(conn, "shop", domain, items)
+
+    def run(self, rule: str = RULE) -> dict[str, Any]:
+        return run_now(rule)
+
+    def ledger(self, rule: str = RULE) -> dict[str, dict[str, Any]]:
+        with self.engine.connect() as conn:
+            return {row["external_id"]: row for row in ledger_store.ledger_rows(conn, rule)}
+
+    def full_ledger_row(self, external_id: str) -> dict[str, Any]:
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                sa.select(ledger)
+                .join(mirror_records, mirror_records.c.id == ledger.c.record_id)
+                .where(mirror_records.c.external_id == external_id)
+            ).one()
+            return row._asdict()
+
+    def make_due(self) -> None:
+        """Time travel: every failed row is due now."""
+        with self.engine.begin() as conn:
+            conn.execute(
+                ledger.update()
+                .where(ledger.c.status == "failed")
+                .values(next_attempt_at=utcnow() - timedelta(seconds=1))
+            )
+
+    def cursor(self, rule: str = RULE) -> Cursor | None:
+        with self.engine.connect() as conn:
+            return catalog.get_rule(conn, rule).cursor
+
+    def record_id(self, external_id: str) -> int:
+        with self.engine.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.select(mirror_records.c.id).where(mirror_records.c.external_id == external_id)
+                ).scalar_one()
+            )
+
+    def set_driver(self, driver: str) -> None:
+        """What an uninstalled or changed driver looks like after the rule was saved."""
+        from delivery.store.tables import connections
+
+        with self.engine.begin() as conn:
+            conn.execute(connections.update().where(connections.c.name == "crm").values(driver=driver))
+
+    def rule_row(self, rule: str = RULE) -> dict[str, Any]:
+        with self.engine.connect() as conn:
+            return conn.execute(sa.select(rules).where(rules.c.name == rule)).one()._asdict()
+
+    def key(self, external_id: str) -> str:
+        return email(external_id)

@@ -1,0 +1,509 @@
+"""The configuration file: its shape (parse_config/load_config) and the save-time cross-checks
+(check_rules, CFX-217)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from delivery.config import DeliveryConfig, check_rules, load_config, parse_config
+from delivery.domain import ConnectionStatus, Policy
+from delivery.errors import ConfigError, InputError
+
+EXAMPLE = """\
+connections:
+  - name: crm
+    driver: rest
+    status: active
+    base_url: http://127.0.0.1:8900/api
+    token_env: CRM_TOKEN
+    timeout_seconds: 10
+    id_field: id
+    breaker: {fail_max: 5, reset_seconds: 60}
+  - name: shop
+rules:
+  - name: contacts-to-crm
+    source: shop
+    domain: contact
+    target: crm
+    collection: contacts
+    policy: create_and_update
+    batch_size: 100
+    overlap_seconds: 300
+    max_attempts: 5
+    retry_schedule_seconds: [60, 300, 1800, 7200]
+    fields: {email: email, name: full_name}
+    enabled: true
+"""
+
+RULE = "rules:\n  - {name: r, source: shop, domain: contact, target: crm, collection: contacts, %s}\n"
+CONNECTION = "connections:\n  - {name: crm, %s}\n"
+
+
+def problems_of(text: str) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text)
+    problems = caught.value.problems
+    assert isinstance(problems, list)
+    assert problems
+    assert all(isinstance(p, str) for p in problems)
+    return problems
+
+
+def check_problems(text: str, known: dict[str, str | None]) -> list[str]:
+    config = parse_config(text)
+    with pytest.raises(ConfigError) as caught:
+        check_rules(config, known)
+    return caught.value.problems
+
+
+def rule_doc(target_driver: str | None, policy: str, base_url: str = "http://t.test/api") -> str:
+    driver = f"driver: {target_driver}, " if target_driver else ""
+    return (
+        "connections:\n"
+        f"  - {{name: crm, {driver}base_url: '{base_url}'}}\n"
+        "  - {name: shop}\n" + RULE % f"policy: {policy}"
+    )
+
+
+# --- parse_config: the valid document ----------------------------------------------------------
+
+
+def test_example_document_parses() -> None:
+    config = parse_config(EXAMPLE)
+    assert isinstance(config, DeliveryConfig)
+    crm, shop = config.connections
+    assert crm.name == "crm"
+    assert crm.driver == "rest"
+    assert crm.status is ConnectionStatus.ACTIVE
+    assert crm.base_url == "http://127.0.0.1:8900/api"
+    assert crm.token_env == "CRM_TOKEN"
+    assert crm.timeout_seconds == 10
+    assert crm.id_field == "id"
+    assert crm.breaker.fail_max == 5
+    assert crm.breaker.reset_seconds == 60
+    assert shop.name == "shop"
+    assert shop.driver is None
+    assert shop.status is None
+    assert shop.base_url is None
+    (rule,) = config.rules
+    assert rule.name == "contacts-to-crm"
+    assert (rule.source, rule.domain, rule.target, rule.collection) == ("shop", "contact", "crm", "contacts")
+    assert rule.policy is Policy.CREATE_AND_UPDATE
+    assert rule.batch_size == 100
+    assert rule.overlap_seconds == 300
+    assert rule.max_attempts == 5
+    assert rule.retry_schedule_seconds == [60, 300, 1800, 7200]
+    assert rule.fields == {"email": "email", "name": "full_name"}
+    assert rule.enabled is True
+
+
+def test_example_document_passes_check_rules() -> None:
+    check_rules(parse_config(EXAMPLE), {"crm": "rest", "shop": None})
+
+
+def test_defaults() -> None:
+    config = parse_config("connections:\n  - {name: crm}\n" + RULE % "enabled: true")
+    connection = config.connections[0]
+    assert connection.driver is None
+    assert connection.status is None
+    assert connection.timeout_seconds == 10.0
+    assert connection.id_field == "id"
+    assert connection.breaker.fail_max == 5
+    assert connection.breaker.reset_seconds == 60.0
+    rule = config.rules[0]
+    assert rule.policy is Policy.CREATE_AND_UPDATE
+    assert rule.batch_size == 100
+    assert rule.overlap_seconds == 300
+    assert rule.max_attempts == 5
+    assert rule.retry_schedule_seconds == [60, 300, 1800, 7200]
+    assert rule.fields is None
+
+
+@pytest.mark.parametrize("text", ["", "   \n", "# only a comment\n", "~\n", "null\n"])
+def test_empty_file_is_an_empty_config(text: str) -> None:
+    config = parse_config(text)
+    assert config.connections == []
+    assert config.rules == []
+
+
+def test_empty_sections() -> None:
+    config = parse_config("connections: []\nrules: []\n")
+    assert config.connections == []
+    assert config.rules == []
+
+
+@pytest.mark.parametrize("policy", ["create_and_update", "create_only", "update_only"])
+def test_each_policy_parses(policy: str) -> None:
+    assert parse_config(RULE % f"policy: {policy}").rules[0].policy is Policy(policy)
+
+
+@pytest.mark.parametrize("status", ["active", "error", "disabled"])
+def test_each_status_parses(status: str) -> None:
+    assert parse_config(CONNECTION % f"status: {status}").connections[0].status is ConnectionStatus(status)
+
+
+@pytest.mark.parametrize("url", ["http://x", "https://crm.example.com/api/v2", "http://127.0.0.1:8900/api"])
+def test_good_base_urls(url: str) -> None:
+    assert parse_config(CONNECTION % f"base_url: '{url}'").connections[0].base_url == url
+
+
+@pytest.mark.parametrize("env", ["CRM_TOKEN", "_X", "a1"])
+def test_good_token_env(env: str) -> None:
+    assert parse_config(CONNECTION % f"token_env: {env}").connections[0].token_env == env
+
+
+# --- parse_config: refusals with their path -----------------------------------------------------
+
+
+def test_unknown_rule_key_is_refused_with_its_path() -> None:
+    problems = problems_of(RULE % "polcy: create_only")
+    assert len(problems) == 1
+    assert problems[0].startswith("rules[0].polcy")
+
+
+def test_unknown_connection_key_is_refused_with_its_path() -> None:
+    problems = problems_of("connections:\n  - {name: a}\n  - {name: b, tokn_env: X}\n")
+    assert problems[0].startswith("connections[1].tokn_env")
+
+
+def test_unknown_breaker_key_is_refused_with_its_path() -> None:
+    problems = problems_of(CONNECTION % "breaker: {fail_maxx: 3}")
+    assert problems[0].startswith("connections[0].breaker.fail_maxx")
+
+
+def test_unknown_top_level_key_is_refused() -> None:
+    problems = problems_of("conections: []\n")
+    assert problems[0].startswith("conections")
+
+
+def test_every_problem_is_reported() -> None:
+    problems = problems_of(RULE % "batch_size: 0, max_attempts: 0, polcy: x")
+    assert len(problems) == 3
+    assert {p.split(":")[0] for p in problems} == {"rules[0].batch_size", "rules[0].max_attempts", "rules[0].polcy"}
+    assert str(ConfigError(problems)) == "; ".join(problems)
+
+
+def test_missing_required_rule_fields() -> None:
+    problems = problems_of("rules:\n  - {name: r}\n")
+    assert {p.split(":")[0] for p in problems} == {
+        "rules[0].source",
+        "rules[0].domain",
+        "rules[0].target",
+        "rules[0].collection",
+    }
+
+
+def test_connection_without_name() -> None:
+    assert problems_of("connections:\n  - {driver: rest}\n")[0].startswith("connections[0].name")
+
+
+@pytest.mark.parametrize(
+    ("setting", "path"),
+    [
+        ('batch_size: "x"', "rules[0].batch_size"),
+        ("batch_size: [1]", "rules[0].batch_size"),
+        ("overlap_seconds: abc", "rules[0].overlap_seconds"),
+        ("retry_schedule_seconds: 60", "rules[0].retry_schedule_seconds"),
+        ("retry_schedule_seconds: [a]", "rules[0].retry_schedule_seconds[0]"),
+        ("fields: [email]", "rules[0].fields"),
+        ("fields: {email: [x]}", "rules[0].fields.email"),
+        ("enabled: maybe", "rules[0].enabled"),
+        ("collection: {a: 1}", "rules[0].collection"),
+    ],
+)
+def test_wrong_types_in_a_rule(setting: str, path: str) -> None:
+    problems = problems_of(RULE % setting)
+    assert problems[0].startswith(path + ":"), problems
+
+
+@pytest.mark.parametrize(
+    ("setting", "path"),
+    [
+        ("timeout_seconds: soon", "connections[0].timeout_seconds"),
+        ("breaker: 5", "connections[0].breaker"),
+        ("breaker: {fail_max: many}", "connections[0].breaker.fail_max"),
+    ],
+)
+def test_wrong_types_in_a_connection(setting: str, path: str) -> None:
+    assert problems_of(CONNECTION % setting)[0].startswith(path + ":")
+
+
+@pytest.mark.parametrize("text", ["connections: {}\n", "connections: crm\n", "rules: 5\n"])
+def test_sections_must_be_lists(text: str) -> None:
+    assert problems_of(text)[0].split(":")[0] in {"connections", "rules"}
+
+
+@pytest.mark.parametrize(
+    ("setting", "path"),
+    [
+        ("policy: create_onl", "rules[0].policy"),
+        ("policy: CREATE_ONLY", "rules[0].policy"),
+        ("batch_size: 0", "rules[0].batch_size"),
+        ("batch_size: -1", "rules[0].batch_size"),
+        ("batch_size: 10001", "rules[0].batch_size"),
+        ("overlap_seconds: -1", "rules[0].overlap_seconds"),
+        ("max_attempts: 0", "rules[0].max_attempts"),
+        ("retry_schedule_seconds: []", "rules[0].retry_schedule_seconds"),
+        ("retry_schedule_seconds: [60, -1]", "rules[0].retry_schedule_seconds[1]"),
+        ("fields: {}", "rules[0].fields"),
+        ("collection: ''", "rules[0].collection"),
+        ("collection: 'a b'", "rules[0].collection"),
+        ("collection: 'a?b=1'", "rules[0].collection"),
+        ("domain: ''", "rules[0].domain"),
+        ("name: '-r'", "rules[0].name"),
+        ("name: 'has space'", "rules[0].name"),
+    ],
+)
+def test_bad_rule_values(setting: str, path: str) -> None:
+    # The rule line sets name first; a later `name:` in the flow mapping overrides it.
+    problems = problems_of(RULE % setting)
+    assert problems[0].startswith(path + ":"), problems
+
+
+def test_empty_schedule_message_is_about_the_list() -> None:
+    problems = problems_of(RULE % "retry_schedule_seconds: []")
+    assert problems == [problems[0]]
+    assert "at least 1" in problems[0]
+
+
+def test_empty_fields_message_explains_the_alternative() -> None:
+    (problem,) = problems_of(RULE % "fields: {}")
+    assert problem == "rules[0].fields: must map at least one field, or be left out to send the whole payload"
+
+
+@pytest.mark.parametrize(
+    ("setting", "path"),
+    [
+        ("status: broken", "connections[0].status"),
+        ("status: Active", "connections[0].status"),
+        ("base_url: ftp://x", "connections[0].base_url"),
+        ("base_url: 'http://has space'", "connections[0].base_url"),
+        ("base_url: crm.example.com", "connections[0].base_url"),
+        ('token_env: "1BAD"', "connections[0].token_env"),
+        ('token_env: "BAD-NAME"', "connections[0].token_env"),
+        ('token_env: "$CRM"', "connections[0].token_env"),
+        ("timeout_seconds: 0", "connections[0].timeout_seconds"),
+        ("timeout_seconds: 601", "connections[0].timeout_seconds"),
+        ("id_field: ''", "connections[0].id_field"),
+        ("driver: ''", "connections[0].driver"),
+        ("breaker: {fail_max: 0}", "connections[0].breaker.fail_max"),
+        ("breaker: {reset_seconds: 0}", "connections[0].breaker.reset_seconds"),
+    ],
+)
+def test_bad_connection_values(setting: str, path: str) -> None:
+    problems = problems_of(CONNECTION % setting)
+    assert problems[0].startswith(path + ":"), problems
+
+
+def test_duplicate_connection_names_are_refused() -> None:
+    problems = problems_of("connections:\n  - {name: crm}\n  - {name: shop}\n  - {name: crm}\n")
+    assert len(problems) == 1
+    assert problems[0].startswith("connections[2].name: ")
+    assert "'crm' is already declared at connections[0]" in problems[0]
+
+
+def test_duplicate_rule_names_are_refused() -> None:
+    rule = "  - {name: r, source: s, domain: d, target: t, collection: c}\n"
+    problems = problems_of("rules:\n" + rule + rule)
+    assert len(problems) == 1
+    assert problems[0].startswith("rules[1].name: ")
+    assert "'r' is already declared at rules[0]" in problems[0]
+
+
+def test_a_rule_may_share_a_connection_name() -> None:
+    config = parse_config("connections:\n  - {name: x}\n" + RULE.replace("name: r,", "name: x,") % "enabled: true")
+    assert config.rules[0].name == config.connections[0].name == "x"
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("connections:\n  - name: crm\n     driver: rest\n", 3),
+        ("connections:\n  - name: crm\n\tdriver: rest\n", 3),
+        ("rules: []\nconnections: [\n", 3),
+    ],
+)
+def test_invalid_yaml_gives_the_line_number(text: str, line: int) -> None:
+    (problem,) = problems_of(text)
+    assert problem.startswith("config: not valid YAML at ")
+    assert f"line {line}," in problem
+
+
+def test_invalid_yaml_names_the_origin() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config("a: [\n", origin="deploy/delivery.yaml")
+    assert caught.value.problems[0].startswith("deploy/delivery.yaml: not valid YAML")
+
+
+def test_several_yaml_documents_are_refused() -> None:
+    (problem,) = problems_of("connections: []\n---\nrules: []\n")
+    assert "not valid YAML" in problem
+
+
+@pytest.mark.parametrize("text", ["- name: crm\n", "[]\n", "just words\n", "42\n", "true\n"])
+def test_top_level_must_be_a_mapping(text: str) -> None:
+    assert problems_of(text) == ["config: the top level must be a mapping with 'connections' and 'rules'"]
+
+
+def test_config_error_is_an_input_error() -> None:
+    assert issubclass(ConfigError, InputError)
+
+
+def test_parsed_config_is_frozen() -> None:
+    config = parse_config(EXAMPLE)
+    with pytest.raises(Exception):  # noqa: B017 - pydantic's ValidationError for a frozen model
+        config.rules[0].batch_size = 5  # type: ignore[misc]
+
+
+# --- load_config ---------------------------------------------------------------------------------
+
+
+def test_load_config_reads_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "delivery.yaml"
+    path.write_text(EXAMPLE, encoding="utf-8")
+    assert load_config(path) == parse_config(EXAMPLE)
+
+
+def test_load_config_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    (problem,) = caught.value.problems
+    assert problem.startswith(f"{path}: cannot be read")
+
+
+def test_load_config_directory(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(tmp_path)
+    assert caught.value.problems[0].startswith(f"{tmp_path}: cannot be read")
+
+
+def test_load_config_yaml_error_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("connections:\n  - name: crm\n     driver: rest\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.problems[0].startswith(f"{path}: not valid YAML at line 3")
+
+
+def test_load_config_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("", encoding="utf-8")
+    assert load_config(path) == DeliveryConfig()
+
+
+def test_load_config_non_utf8_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("connections:\n  - name: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.problems[0].startswith(str(path))
+
+
+# --- check_rules ---------------------------------------------------------------------------------
+
+
+def test_check_rules_on_an_empty_config() -> None:
+    check_rules(DeliveryConfig(), {})
+
+
+def test_check_rules_uses_known_connections_not_only_the_file() -> None:
+    check_rules(parse_config(RULE % "policy: create_only"), {"crm": "rest", "shop": None})
+
+
+def test_unknown_source() -> None:
+    problems = check_problems(RULE % "policy: create_only", {"crm": "rest"})
+    assert problems == ["rules[0].source: rule 'r': no connection named 'shop'"]
+
+
+def test_unknown_target() -> None:
+    problems = check_problems(RULE % "policy: create_only", {"shop": None})
+    assert problems == ["rules[0].target: rule 'r': no connection named 'crm'"]
+
+
+def test_unknown_source_and_target() -> None:
+    problems = check_problems(RULE % "policy: create_only", {})
+    assert [p.split(":")[0] for p in problems] == ["rules[0].source", "rules[0].target"]
+
+
+def test_problems_of_every_rule_are_collected() -> None:
+    text = (
+        "rules:\n"
+        "  - {name: a, source: shop, domain: d, target: crm, collection: c}\n"
+        "  - {name: b, source: nowhere, domain: d, target: crm, collection: c}\n"
+        "  - {name: c, source: shop, domain: d, target: nowhere, collection: c}\n"
+    )
+    problems = check_problems(text, {"shop": None, "crm": "rest"})
+    assert [p.split(":")[0] for p in problems] == ["rules[1].source", "rules[2].target"]
+
+
+@pytest.mark.parametrize("driver", ["soap", None])
+def test_target_driver_without_writer(driver: str | None) -> None:
+    problems = check_problems(RULE % "policy: create_only", {"crm": driver, "shop": None})
+    assert len(problems) == 1
+    problem = problems[0]
+    assert problem.startswith("rules[0].target: rule 'r': target 'crm'")
+    assert f"driver {driver!r}" in problem
+    assert "no registered writer" in problem
+    assert "rest, rest-create-only, rest-update-only" in problem
+
+
+@pytest.mark.parametrize("policy", ["update_only", "create_and_update"])
+def test_create_only_driver_lacks_update(policy: str) -> None:
+    problems = check_problems(rule_doc("rest-create-only", policy), {"crm": "rest-create-only", "shop": None})
+    assert problems == [
+        f"rules[0].policy: rule 'r': policy {policy!r} needs the 'update' verb, "
+        "which driver 'rest-create-only' does not offer"
+    ]
+
+
+@pytest.mark.parametrize("policy", ["create_only", "create_and_update"])
+def test_update_only_driver_lacks_create(policy: str) -> None:
+    problems = check_problems(rule_doc("rest-update-only", policy), {"crm": "rest-update-only", "shop": None})
+    assert problems == [
+        f"rules[0].policy: rule 'r': policy {policy!r} needs the 'create' verb, "
+        "which driver 'rest-update-only' does not offer"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("driver", "policy"),
+    [
+        ("rest", "create_and_update"),
+        ("rest", "create_only"),
+        ("rest", "update_only"),
+        ("rest-create-only", "create_only"),
+        ("rest-update-only", "update_only"),
+    ],
+)
+def test_driver_offering_every_needed_verb_passes(driver: str, policy: str) -> None:
+    check_rules(parse_config(rule_doc(driver, policy)), {"crm": driver, "shop": None})
+
+
+def test_check_rules_reads_drivers_from_known_connections() -> None:
+    # The caller merges the file's connections over the database's; check_rules trusts that map.
+    problems = check_problems(RULE % "policy: update_only", {"crm": "rest-create-only", "shop": None})
+    assert problems[0].startswith("rules[0].policy: rule 'r': policy 'update_only' needs the 'update' verb")
+
+
+@pytest.mark.parametrize("driver", ["rest", "rest-create-only", "rest-update-only"])
+def test_rest_connection_without_base_url_is_refused(driver: str) -> None:
+    text = f"connections:\n  - {{name: shop}}\n  - {{name: crm, driver: {driver}}}\n"
+    problems = check_problems(text, {"crm": driver, "shop": None})
+    assert problems == [f"connections[1].base_url: connection 'crm' with driver {driver!r} needs a base_url"]
+
+
+def test_connection_without_writer_needs_no_base_url() -> None:
+    check_rules(parse_config("connections:\n  - {name: shop}\n  - {name: files, driver: sftp}\n"), {})
+
+
+def test_rule_and_connection_problems_together() -> None:
+    text = "connections:\n  - {name: crm, driver: rest-create-only}\n" + RULE % "policy: update_only"
+    problems = check_problems(text, {"crm": "rest-create-only"})
+    assert [p.split(":")[0] for p in problems] == [
+        "rules[0].source",
+        "rules[0].policy",
+        "connections[0].base_url",
+    ]

@@ -1,0 +1,278 @@
+"""Reading mirror JSONL files: each line checked on its own, the first bad one refused by number,
+and the file streamed rather than read whole."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from delivery.errors import InputError, MirrorLoadError
+from delivery.mirror_file import parse_line, read_mirror_file
+from delivery.store.mirror import MirrorInput
+
+
+def refusal(number: int, line: str) -> MirrorLoadError:
+    with pytest.raises(MirrorLoadError) as caught:
+        parse_line(number, line)
+    error = caught.value
+    assert error.line == number
+    assert str(error).startswith(f"line {number}: ")
+    return error
+
+
+def write(tmp_path: Path, *lines: str, newline: str = "\n") -> Path:
+    path = tmp_path / "mirror.jsonl"
+    path.write_text("".join(line + newline for line in lines), encoding="utf-8")
+    return path
+
+
+GOOD = '{"id": "%s", "payload": {"n": %d}}'
+
+
+# --- parse_line: good lines ----------------------------------------------------------------------
+
+
+def test_string_id() -> None:
+    item = parse_line(1, '{"id": "c-1", "payload": {"email": "a@x.io"}}')
+    assert item == MirrorInput("c-1", {"email": "a@x.io"}, False)
+
+
+def test_int_id_becomes_str() -> None:
+    item = parse_line(1, '{"id": 42, "payload": {}}')
+    assert item.external_id == "42"
+    assert isinstance(item.external_id, str)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("0", "0"), ("-7", "-7"), ("12345678901234567890", "12345678901234567890")]
+)
+def test_other_int_ids(raw: str, expected: str) -> None:
+    assert parse_line(1, f'{{"id": {raw}, "payload": {{}}}}').external_id == expected
+
+
+def test_deleted_defaults_to_false() -> None:
+    assert parse_line(1, '{"id": "c-1", "payload": {}}').deleted is False
+
+
+@pytest.mark.parametrize("deleted", [True, False])
+def test_deleted_explicit(deleted: bool) -> None:
+    line = json.dumps({"id": "c-1", "payload": {}, "deleted": deleted})
+    assert parse_line(1, line).deleted is deleted
+
+
+def test_payload_is_kept_as_given() -> None:
+    payload = {"email": "a@x.io", "tags": ["a", "b"], "address": {"city": "Oslo"}, "age": None, "vip": True}
+    assert parse_line(1, json.dumps({"id": "c", "payload": payload})).payload == payload
+
+
+def test_empty_payload_is_fine() -> None:
+    assert parse_line(1, '{"id": "c", "payload": {}}').payload == {}
+
+
+def test_line_with_trailing_newline_and_spaces() -> None:
+    assert parse_line(1, '  {"payload": {}, "id": "c"}  \r\n').external_id == "c"
+
+
+def test_id_of_exactly_500_chars() -> None:
+    assert parse_line(1, json.dumps({"id": "x" * 500, "payload": {}})).external_id == "x" * 500
+
+
+def test_unicode_id() -> None:
+    assert parse_line(1, json.dumps({"id": "caf\u00e9/1", "payload": {}})).external_id == "caf\u00e9/1"
+
+
+# --- parse_line: refusals ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line", ["{", "not json", '{"id": "a",}', "", "   ", "{\"id\": 'a'}"])
+def test_invalid_json(line: str) -> None:
+    error = refusal(7, line)
+    assert "not valid JSON" in str(error)
+    assert "at column" in str(error)
+
+
+@pytest.mark.parametrize("line", ["[]", '["id", "payload"]', '"text"', "42", "null", "true"])
+def test_not_an_object(line: str) -> None:
+    error = refusal(3, line)
+    assert str(error) == "line 3: must be a JSON object with 'id' and 'payload'"
+
+
+def test_unknown_key() -> None:
+    error = refusal(2, '{"id": "a", "payload": {}, "extra": 1}')
+    assert str(error) == "line 2: unknown key(s) extra; allowed: deleted, id, payload"
+
+
+def test_several_unknown_keys_are_listed_sorted() -> None:
+    error = refusal(2, '{"id": "a", "payload": {}, "zeta": 1, "alpha": 2}')
+    assert "unknown key(s) alpha, zeta;" in str(error)
+
+
+def test_misspelt_key_is_unknown_before_anything_else() -> None:
+    assert "unknown key(s) paylod" in str(refusal(1, '{"id": "a", "paylod": {}}'))
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"payload": {}}',
+        '{"id": null, "payload": {}}',
+        '{"id": "", "payload": {}}',
+        '{"id": "   ", "payload": {}}',
+        '{"id": 1.5, "payload": {}}',
+        '{"id": ["a"], "payload": {}}',
+        '{"id": {"v": 1}, "payload": {}}',
+    ],
+    ids=["missing", "null", "empty", "blank", "float", "list", "object"],
+)
+def test_missing_or_empty_id(line: str) -> None:
+    assert str(refusal(4, line)) == "line 4: 'id' must be a non-empty string"
+
+
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_bool_id(value: str) -> None:
+    assert str(refusal(5, f'{{"id": {value}, "payload": {{}}}}')) == "line 5: 'id' must be a non-empty string"
+
+
+def test_id_longer_than_500_chars() -> None:
+    error = refusal(6, json.dumps({"id": "x" * 501, "payload": {}}))
+    assert str(error) == "line 6: 'id' is longer than 500 characters"
+
+
+def test_int_id_longer_than_500_digits() -> None:
+    error = refusal(6, '{"id": ' + "9" * 501 + ', "payload": {}}')
+    assert str(error) == "line 6: 'id' is longer than 500 characters"
+
+
+@pytest.mark.parametrize("payload", ["null", "[]", '"x"', "1", "true"])
+def test_payload_not_an_object(payload: str) -> None:
+    assert str(refusal(8, f'{{"id": "a", "payload": {payload}}}')) == "line 8: 'payload' must be a JSON object"
+
+
+def test_missing_payload() -> None:
+    assert str(refusal(8, '{"id": "a"}')) == "line 8: 'payload' must be a JSON object"
+
+
+@pytest.mark.parametrize("deleted", ["null", "0", "1", '"true"', '"false"', "[]"])
+def test_deleted_not_bool(deleted: str) -> None:
+    error = refusal(9, f'{{"id": "a", "payload": {{}}, "deleted": {deleted}}}')
+    assert str(error) == "line 9: 'deleted' must be true or false"
+
+
+def test_large_line_numbers() -> None:
+    assert refusal(100_000, "{").line == 100_000
+
+
+def test_mirror_load_error_is_an_input_error() -> None:
+    assert issubclass(MirrorLoadError, InputError)
+
+
+# --- read_mirror_file ----------------------------------------------------------------------------
+
+
+def test_reads_every_line_in_order(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD % ("a", 1), '{"id": 2, "payload": {}, "deleted": true}', GOOD % ("c", 3))
+    assert list(read_mirror_file(path)) == [
+        MirrorInput("a", {"n": 1}, False),
+        MirrorInput("2", {}, True),
+        MirrorInput("c", {"n": 3}, False),
+    ]
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    assert list(read_mirror_file(write(tmp_path))) == []
+
+
+def test_last_line_without_newline(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text(GOOD % ("a", 1) + "\n" + GOOD % ("b", 2), encoding="utf-8")
+    assert [item.external_id for item in read_mirror_file(path)] == ["a", "b"]
+
+
+def test_crlf_line_endings(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD % ("a", 1), GOOD % ("b", 2), newline="\r\n")
+    assert [item.external_id for item in read_mirror_file(path)] == ["a", "b"]
+
+
+def test_blank_lines_are_ignored(tmp_path: Path) -> None:
+    path = write(tmp_path, "", GOOD % ("a", 1), "   ", "\t", GOOD % ("b", 2), "")
+    assert [item.external_id for item in read_mirror_file(path)] == ["a", "b"]
+
+
+def test_blank_lines_still_count_for_line_numbers(tmp_path: Path) -> None:
+    path = write(tmp_path, "", GOOD % ("a", 1), "", "{broken")
+    with pytest.raises(MirrorLoadError) as caught:
+        list(read_mirror_file(path))
+    assert caught.value.line == 4
+    assert str(caught.value).startswith("line 4: not valid JSON")
+
+
+def test_it_is_a_generator_that_streams(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD % ("a", 1), GOOD % ("b", 2), "{broken", GOOD % ("d", 4))
+    items = read_mirror_file(path)
+    assert next(items) == MirrorInput("a", {"n": 1}, False)
+    assert next(items).external_id == "b"
+    with pytest.raises(MirrorLoadError) as caught:
+        next(items)
+    assert caught.value.line == 3
+    assert str(caught.value).startswith("line 3: ")
+
+
+def test_consuming_the_first_item_does_not_raise_for_a_bad_line_3(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD % ("a", 1), GOOD % ("b", 2), '{"id": "c", "payload": []}')
+    items = read_mirror_file(path)
+    assert next(items).external_id == "a"
+    items.close()
+
+
+def test_fully_consuming_raises_at_line_3(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD % ("a", 1), GOOD % ("b", 2), '{"id": "c", "payload": []}', GOOD % ("d", 4))
+    seen: list[str] = []
+    with pytest.raises(MirrorLoadError) as caught:
+        for item in read_mirror_file(path):
+            seen.append(item.external_id)
+    assert seen == ["a", "b"]
+    assert caught.value.line == 3
+    assert str(caught.value) == "line 3: 'payload' must be a JSON object"
+
+
+def test_the_first_bad_line_wins(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD % ("a", 1), "[]", "{broken")
+    with pytest.raises(MirrorLoadError) as caught:
+        list(read_mirror_file(path))
+    assert caught.value.line == 2
+
+
+def test_missing_file_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "nope.jsonl"
+    items = read_mirror_file(path)  # a generator: nothing happens until it is consumed
+    with pytest.raises(MirrorLoadError) as caught:
+        next(items)
+    assert str(path) in str(caught.value)
+    assert "cannot be read" in str(caught.value)
+
+
+def test_directory_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(MirrorLoadError, match="cannot be read"):
+        list(read_mirror_file(tmp_path))
+
+
+def test_invalid_utf8_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"id": "a", "payload": {"x": "\xff"}}\n')
+    with pytest.raises(MirrorLoadError, match="not valid UTF-8"):
+        list(read_mirror_file(path))
+
+
+def test_invalid_utf8_names_its_own_line(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(
+        (GOOD % ("a", 1) + "\n" + GOOD % ("b", 2) + "\n").encode() + b'{"id": "c", "payload": {"x": "\xff"}}\n'
+    )
+    seen: list[str] = []
+    with pytest.raises(MirrorLoadError) as caught:
+        for item in read_mirror_file(path):
+            seen.append(item.external_id)
+    assert seen == ["a", "b"]
+    assert caught.value.line == 3
