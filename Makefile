@@ -1,0 +1,35 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both set up .venv themselves.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-sqlite lint typecheck check demo serve bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## The whole suite, on SQLite and on PostgreSQL (DELIVERY_TEST_POSTGRES_URL, default the local server).
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+## The suite without the PostgreSQL half, for a machine with no PostgreSQL.
+test-sqlite: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not postgres"
+
+lint: $(STAMP)
+	$(BIN)/ruff check delivery flows tests migrations
+	$(BIN)/ruff format --check delivery flows tests migrations
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+check: lint typecheck test
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
