@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -116,7 +117,8 @@ def test_a_bad_line_part_way_loads_nothing(engine: sa.Engine) -> None:
 
     def lines() -> Iterator[MirrorInput]:
         for n in range(1, 1500):  # past the first chunks, which were already written in the transaction
-            yield parse_line(n, '{"id": "r%d", "payload": {"v": 2}}' % n if n != 1234 else "{oops")
+            line = json.dumps({"id": f"r{n}", "payload": {"v": 2}}) if n != 1234 else "{oops"
+            yield parse_line(n, line)
 
     with pytest.raises(MirrorLoadError) as caught:
         load(engine, lines())  # type: ignore[arg-type]
