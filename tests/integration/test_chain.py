@@ -413,3 +413,12 @@ def test_chain_is_recorded_with_its_flow_run(world: World) -> None:
     assert row["flow_run_id"] == result["flow_run_id"] and row["ended_by"] == "caught_up"
     assert isinstance(row["report"], dict) and row["report"]["counts"]["delivered"] == 1
     assert world.rule_row()["chain_token"] == row["token"]
+
+
+def test_a_batch_that_overruns_its_timeout_fails_the_chain(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DELIVERY_BATCH_TIMEOUT_SECONDS", "1")
+    world.load(*[f"r{n}" for n in range(6)])
+    world.target.latency_ms = 300
+    result = world.run()
+    assert result["state"] == "FAILED" and result["ended_by"] == "rule_fault"
+    assert world.cursor() is None  # the batch did not conclude
