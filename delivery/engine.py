@@ -9,6 +9,7 @@ The orchestration (one Prefect task per batch) lives in `flows/`; this module kn
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -89,15 +90,23 @@ class Chain:
         rule_name: str,
         *,
         flow_run_id: str | None = None,
+        token: str | None = None,
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
+        """Record a new chain, or adopt `token`, the chain row the tick recorded when it launched
+        this run (so that a launched run waiting for a worker already counts as alive)."""
         self.engine = engine
         self.clock = clock
         with engine.connect().execution_options(readonly=True) as conn:
             self.rule: Rule = catalog.get_rule(conn, rule_name)
-        self.started_at = clock()
         with engine.begin() as conn:
-            self.token = chains.start_chain(conn, self.rule.id, flow_run_id, self.started_at)
+            if token is None:
+                self.started_at = clock()
+                self.token = chains.start_chain(conn, self.rule.id, flow_run_id, self.started_at)
+            else:
+                self.started_at = chains.adopt_chain(conn, token, self.rule.id, flow_run_id)
+                self.token = token
+        self._claimed = False
         self.report = ChainReport(
             rule=self.rule.name, token=self.token, cursor_before=self.rule.cursor, cursor_after=self.rule.cursor
         )
@@ -152,7 +161,16 @@ class Chain:
         report = BatchReport(phase)
         rule = self.rule
         with self.engine.begin() as conn:
-            if not chains.holds_fence(conn, rule.id, self.token):
+            if not self._claimed:
+                # The first job claims the rule; the cursor is read only now, under the lock,
+                # since a chain before this one may have moved it since we started.
+                if not chains.claim(conn, rule.id, self.token, self.started_at):
+                    return self._superseded(report)
+                self._claimed = True
+                cursor = catalog.get_rule(conn, rule.name).cursor
+                self.report.cursor_before = self.report.cursor_after = cursor
+                self._scan_from = ledger.scan_start(dataclasses.replace(rule, cursor=cursor))
+            elif not chains.holds_fence(conn, rule.id, self.token):
                 return self._superseded(report)
             chains.heartbeat(conn, self.token, self.clock())
             if phase is Phase.DRAIN:
@@ -171,6 +189,7 @@ class Chain:
                 if not chains.holds_fence(conn, rule.id, self.token):
                     return self._superseded(report)
                 ledger.settle(conn, rule, candidate, outcome, self.clock())
+                chains.heartbeat(conn, self.token, self.clock())
             report.attempted += 1
             report.counts[outcome.status.value] += 1
             highest = Cursor(candidate.record.changed_at, candidate.record.id)

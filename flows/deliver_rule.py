@@ -23,6 +23,7 @@ from prefect.states import Completed
 from delivery.db import shared_engine
 from delivery.domain import BatchReport, ChainEnd, ChainReport, LedgerStatus, Phase
 from delivery.engine import Chain
+from flows.lock import rule_lock
 
 BATCH_TIMEOUT_ENV = "DELIVERY_BATCH_TIMEOUT_SECONDS"
 DEFAULT_BATCH_TIMEOUT_SECONDS = 600.0
@@ -50,7 +51,8 @@ async def _run_phase(token: str, phase: Phase) -> ChainEnd | None:
     number = 0
     while True:
         number += 1
-        report = batch.with_options(task_run_name=f"{phase.value}-batch-{number}")(token, phase)
+        async with rule_lock(chain):  # one job of the rule at a time; waiting writes nothing
+            report = batch.with_options(task_run_name=f"{phase.value}-batch-{number}")(token, phase)
         logger.info("%s batch %d: %d attempted %s", phase.value, number, report.attempted, dict(report.counts))
         if report.ended_by is not None:
             return report.ended_by
@@ -106,10 +108,11 @@ async def _label_run(chain: Chain) -> None:
 
 
 @flow(name="deliver-rule", retries=0, log_prints=False)
-async def deliver_rule(rule: str) -> State[Any]:
-    """One chain of `rule`: health gate, breaker check, drain, scan."""
+async def deliver_rule(rule: str, chain_token: str | None = None) -> State[Any]:
+    """One chain of `rule`: health gate, breaker check, drain, scan. `chain_token` is given by the
+    tick, which records the chain when it launches the run."""
     logger = get_run_logger()
-    chain = Chain(shared_engine(), rule, flow_run_id=flow_run.get_id())
+    chain = Chain(shared_engine(), rule, flow_run_id=flow_run.get_id(), token=chain_token)
     _chains[chain.token] = chain
     try:
         await _label_run(chain)

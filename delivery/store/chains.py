@@ -13,14 +13,40 @@ from delivery.store.tables import chains, rules
 
 
 def start_chain(conn: sa.Connection, rule_id: int, flow_run_id: str | None, now: datetime) -> str:
-    """Open a chain and make it the rule's current one; any chain before it is superseded and its
-    next write finds the fence closed."""
+    """Record a new chain. It becomes the rule's current chain only when its first job claims the
+    rule under the lock (`claim`), so a chain in the middle of a job is never cut off mid-record."""
     token = uuid.uuid4().hex
     conn.execute(
         chains.insert().values(token=token, rule_id=rule_id, flow_run_id=flow_run_id, started_at=now, heartbeat_at=now)
     )
-    conn.execute(rules.update().where(rules.c.id == rule_id).values(chain_token=token))
     return token
+
+
+def adopt_chain(conn: sa.Connection, token: str, rule_id: int, flow_run_id: str | None) -> datetime:
+    """Take over a chain row the tick recorded when it launched this run. Returns its start."""
+    row = conn.execute(sa.select(chains).where(chains.c.token == token, chains.c.rule_id == rule_id)).one_or_none()
+    if row is None or row.ended_at is not None:
+        raise LookupError(f"chain {token} of this rule does not exist or has already ended")
+    conn.execute(chains.update().where(chains.c.token == token).values(flow_run_id=flow_run_id))
+    return row.started_at  # type: ignore[no-any-return]
+
+
+def claim(conn: sa.Connection, rule_id: int, token: str, started_at: datetime) -> bool:
+    """Make `token` the rule's current chain unless a chain started after it already holds the
+    rule: of two chains racing, the most recently started one goes on, the other is superseded.
+    Called under the rule lock, with the rule row locked (PostgreSQL) or the database write-locked
+    (SQLite), so no other job can be between a fence check and its write."""
+    current = conn.execute(sa.select(rules.c.chain_token).where(rules.c.id == rule_id).with_for_update()).scalar()
+    if current == token:
+        return True
+    if current is not None:
+        other = conn.execute(
+            sa.select(chains.c.started_at, chains.c.ended_at).where(chains.c.token == current)
+        ).one_or_none()
+        if other is not None and other.ended_at is None and (other.started_at, current) > (started_at, token):
+            return False
+    conn.execute(rules.update().where(rules.c.id == rule_id).values(chain_token=token))
+    return True
 
 
 def holds_fence(conn: sa.Connection, rule_id: int, token: str) -> bool:
@@ -29,6 +55,16 @@ def holds_fence(conn: sa.Connection, rule_id: int, token: str) -> bool:
     guards; on SQLite the write transaction (BEGIN IMMEDIATE) already excludes every other writer."""
     current = conn.execute(sa.select(rules.c.chain_token).where(rules.c.id == rule_id).with_for_update()).scalar()
     return current == token
+
+
+def supersede(conn: sa.Connection, rule_id: int, token: str, now: datetime, message: str) -> None:
+    """End a chain judged dead and close the fence on it: a late job of it writes nothing."""
+    conn.execute(
+        chains.update()
+        .where(chains.c.token == token, chains.c.ended_at.is_(None))
+        .values(ended_at=now, ended_by="superseded", message=message, lease_id=None)
+    )
+    conn.execute(rules.update().where(rules.c.id == rule_id, rules.c.chain_token == token).values(chain_token=None))
 
 
 def heartbeat(conn: sa.Connection, token: str, now: datetime) -> None:
@@ -76,3 +112,29 @@ def last_chain(conn: sa.Connection, rule_id: int) -> dict[str, Any] | None:
         sa.select(chains).where(chains.c.rule_id == rule_id).order_by(chains.c.started_at.desc()).limit(1)
     ).one_or_none()
     return None if row is None else row._asdict()
+
+
+def open_chains(conn: sa.Connection, rule_id: int) -> list[dict[str, Any]]:
+    """Chains of the rule that have not ended, newest first."""
+    rows = conn.execute(
+        sa.select(chains)
+        .where(chains.c.rule_id == rule_id, chains.c.ended_at.is_(None))
+        .order_by(chains.c.started_at.desc())
+    )
+    return [row._asdict() for row in rows]
+
+
+def record_lock(
+    conn: sa.Connection, token: str, lease_id: str | None, host: str | None, pid: int | None, now: datetime
+) -> None:
+    """Who holds the rule lock (Prefect lease id, host, pid), so that a waiter can tell a dead holder."""
+    conn.execute(
+        chains.update()
+        .where(chains.c.token == token)
+        .values(lease_id=lease_id, holder_host=host, holder_pid=pid, heartbeat_at=now)
+    )
+
+
+def lock_holders(conn: sa.Connection, rule_id: int) -> list[dict[str, Any]]:
+    rows = conn.execute(sa.select(chains).where(chains.c.rule_id == rule_id, chains.c.lease_id.is_not(None)))
+    return [row._asdict() for row in rows]

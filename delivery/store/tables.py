@@ -135,7 +135,25 @@ chains = sa.Table(
     sa.Column("ended_by", sa.String(20)),
     sa.Column("message", sa.Text),
     sa.Column("report", sa.JSON),
+    # The holder of the rule lock while one of this chain's jobs runs: the Prefect lease, and the
+    # process, so a waiter can tell a holder killed mid-job from one that is merely slow.
+    sa.Column("lease_id", sa.String(64)),
+    sa.Column("holder_host", sa.String(255)),
+    sa.Column("holder_pid", sa.Integer),
     sa.Index(None, "rule_id", "started_at"),
+)
+
+requeues = sa.Table(
+    "requeues",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("rule_id", sa.Integer, sa.ForeignKey("rules.id"), nullable=False),
+    sa.Column("requested_by", sa.String(200), nullable=False),
+    sa.Column("requested_at", UTCDateTime, nullable=False),
+    sa.Column("criteria", sa.JSON, nullable=False),
+    sa.Column("count", sa.Integer, nullable=False),
+    sa.Column("external_ids", sa.JSON, nullable=False),
+    sa.Index(None, "rule_id", "requested_at"),
 )
 
 breaker_states = sa.Table(
