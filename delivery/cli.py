@@ -229,6 +229,221 @@ def run(
     raise typer.Exit(0 if result["state"] == "COMPLETED" else 1)
 
 
+def _parse_time(value: str) -> datetime:
+    from datetime import UTC
+
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise InputError(f"--since: {value!r} is not an ISO-8601 date or time (e.g. 2026-12-01T08:00)") from exc
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+@app.command("requeue")
+def requeue_command(
+    rule: Annotated[str, typer.Argument(help="Rule name.")],
+    status: Annotated[
+        list[LedgerStatus] | None,
+        typer.Option(
+            "--status", help="exhausted | remote_gone | failed (repeatable; default: exhausted and remote_gone)."
+        ),
+    ] = None,
+    ids: Annotated[list[str] | None, typer.Option("--id", help="Only this external id (repeatable).")] = None,
+    error_contains: Annotated[
+        str | None, typer.Option("--error-contains", help="Only rows whose last error contains TEXT.")
+    ] = None,
+    since: Annotated[
+        str | None, typer.Option("--since", help="Only rows parked at or after TIME (ISO-8601, UTC if no zone).")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be requeued; change nothing.")] = False,
+    by: Annotated[str | None, typer.Option("--by", help="Who asks (recorded; default: the login name).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Put parked records back: the selected rows become retries due now (attempts reset).
+
+    A remote_gone row also loses its remote id, so the next chain creates the record again (with a new
+    Idempotency-Key). Every requeue is recorded; `delivery requeues` lists them."""
+    import getpass
+
+    from delivery.clock import utcnow
+    from delivery.store import requeue as requeue_store
+
+    statuses = tuple(status or requeue_store.DEFAULT_STATUSES)
+    if LedgerStatus.DELIVERED in statuses or LedgerStatus.SUPPRESSED in statuses:
+        raise InputError("--status: only exhausted, remote_gone and failed rows can be requeued")
+    selection = requeue_store.Selection(
+        statuses, tuple(ids or ()), error_contains, _parse_time(since) if since else None
+    )
+    who = by or getpass.getuser()
+    with _engine().begin() as conn:
+        target_rule = catalog.get_rule(conn, rule)
+        if dry_run:
+            rows = requeue_store.preview(conn, target_rule, selection)
+        else:
+            rows = requeue_store.requeue(conn, target_rule, selection, who, utcnow())
+    if as_json:
+        _print_json(
+            {
+                "rule": rule,
+                "dry_run": dry_run,
+                "count": len(rows),
+                "records": [
+                    {
+                        "external_id": r["external_id"],
+                        "status": r["status"],
+                        "remote_id": r["remote_id"],
+                        "last_error": r["last_error"],
+                    }
+                    for r in rows
+                ],
+            }
+        )
+        return
+    table = Table("external_id", "was", "remote_id", "attempts", "last_error")
+    for r in rows:
+        table.add_row(
+            r["external_id"], r["status"], r["remote_id"] or "-", str(r["attempts"]), (r["last_error"] or "")[:100]
+        )
+    out.print(table)
+    verb = "would requeue" if dry_run else "requeued"
+    out.print(f"{verb} {len(rows)} record(s) of {rule}" + ("" if dry_run else f" (recorded as requested by {who})"))
+
+
+@app.command("requeues")
+def requeues_command(
+    rule: Annotated[str | None, typer.Option("--rule", help="Only this rule.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """The requeue history: who put back how many records of which rule, when, and with what filters."""
+    from delivery.store import requeue as requeue_store
+
+    with _read() as conn:
+        rows = requeue_store.history(conn, rule)
+    if as_json:
+        _print_json([{**r, "requested_at": _iso(r["requested_at"])} for r in rows])
+        return
+    table = Table("requested_at", "rule", "by", "count", "criteria")
+    for r in rows:
+        table.add_row(
+            _iso(r["requested_at"]) or "", r["rule"], r["requested_by"], str(r["count"]), json.dumps(r["criteria"])
+        )
+    out.print(table)
+
+
+@app.command("status")
+def status_command(as_json: JsonFlag = False) -> None:
+    """Per rule: route, breaker, cursor lag (age of the oldest undelivered change), ledger counts,
+    due retries, and how the last chain ended."""
+    from delivery.clock import utcnow
+    from delivery.status import overview
+
+    with _read() as conn:
+        rows = overview(conn, utcnow())
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        out.print("no rules yet: `delivery apply CONFIG.yaml` saves some")
+        return
+    table = Table("rule", "route", "breaker", "lag", "delivered", "failed (due)", "parked", "last chain")
+    for r in rows:
+        c = r["counts"]
+        last = r["last_chain"]
+        last_text = (
+            "-"
+            if last is None
+            else ("running" if last["ended_at"] is None else f"{last['ended_by']}: {(last['message'] or '')[:60]}")
+        )
+        table.add_row(
+            r["rule"] + ("" if r["enabled"] else " (disabled)"),
+            r["route"],
+            r["breaker"],
+            f"{r['cursor_lag_seconds']:.0f}s",
+            str(c["delivered"]),
+            f"{c['failed']} ({r['due_retries']})",
+            f"{c['exhausted']} exhausted, {c['remote_gone']} gone",
+            last_text,
+        )
+    out.print(table)
+
+
+@app.command("tick")
+def tick_command(
+    dead_after_minutes: Annotated[
+        float | None,
+        typer.Option(
+            "--dead-after-minutes",
+            help="Judge a chain dead after this long without a heartbeat (default 15, or DELIVERY_DEAD_CHAIN_MINUTES).",
+        ),
+    ] = None,
+) -> None:
+    """Run one tick now: start a chain for every enabled rule that has none alive, replace dead ones.
+
+    Exit 1 when a chain the tick ran itself failed (a misconfigured rule fails on every tick)."""
+    import asyncio
+
+    from flows.tick import delivery_tick
+
+    async def _run() -> Any:
+        return await delivery_tick(dead_after_minutes=dead_after_minutes, return_state=True)
+
+    state = asyncio.run(_run())
+    out.print(f"tick {state.type.value}: {state.message}")
+    raise typer.Exit(0 if state.is_completed() else 1)
+
+
+@app.command("serve")
+def serve_command(
+    port: Annotated[
+        int, typer.Option("--port", help="Port of the local Prefect server (without PREFECT_API_URL).")
+    ] = 4200,
+) -> None:
+    """The long-running job on one machine: serves delivery-tick (every 5 minutes) and deliver-rule.
+
+    Without PREFECT_API_URL it first starts a local Prefect server (SQLite under PREFECT_HOME) and prints
+    the UI address; Ctrl-C or SIGTERM stops everything."""
+    from flows.serve import serve_forever
+
+    serve_forever(port)
+
+
+@app.command("sandbox")
+def sandbox_command(
+    port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8900,
+    fail_rate: Annotated[float, typer.Option("--fail-rate", help="Share of writes answered 503 (0..1).")] = 0.0,
+    latency_ms: Annotated[int, typer.Option("--latency-ms", help="Latency added to every request.")] = 0,
+    timeout_share: Annotated[
+        float, typer.Option("--timeout-share", help="Share of the failures that hang instead (client timeouts).")
+    ] = 0.0,
+    token_env: Annotated[
+        str | None, typer.Option("--token-env", help="Require this environment variable's value as bearer token.")
+    ] = None,
+    db: Annotated[Path | None, typer.Option("--db", help="Keep records in this SQLite file (default: memory).")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Make the fault sequence repeatable.")] = None,
+) -> None:
+    """A small but real REST target for trying the engine: POST creates, PATCH updates, GET shows what arrived."""
+    from delivery.sandbox import SandboxSettings, serve
+
+    token = None
+    if token_env:
+        token = os.environ.get(token_env)
+        if not token:
+            raise InputError(f"--token-env: ${token_env} is not set")
+    try:
+        settings = SandboxSettings(
+            port=port,
+            fail_rate=fail_rate,
+            latency_ms=latency_ms,
+            timeout_share=timeout_share,
+            token=token,
+            db_path=str(db) if db else None,
+            seed=seed,
+        )
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    serve(settings)
+
+
 def main() -> None:
     try:
         app()

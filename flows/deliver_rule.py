@@ -112,7 +112,10 @@ async def deliver_rule(rule: str, chain_token: str | None = None) -> State[Any]:
     """One chain of `rule`: health gate, breaker check, drain, scan. `chain_token` is given by the
     tick, which records the chain when it launches the run."""
     logger = get_run_logger()
-    chain = Chain(shared_engine(), rule, flow_run_id=flow_run.get_id(), token=chain_token)
+    try:
+        chain = Chain(shared_engine(), rule, flow_run_id=flow_run.get_id(), token=chain_token)
+    except LookupError as exc:  # the tick judged this launch dead before it got to run
+        return Completed(message=f"superseded before it started: {exc}", name="Superseded")
     _chains[chain.token] = chain
     try:
         await _label_run(chain)

@@ -138,3 +138,7 @@ def record_lock(
 def lock_holders(conn: sa.Connection, rule_id: int) -> list[dict[str, Any]]:
     rows = conn.execute(sa.select(chains).where(chains.c.rule_id == rule_id, chains.c.lease_id.is_not(None)))
     return [row._asdict() for row in rows]
+
+
+def attach_flow_run(conn: sa.Connection, token: str, flow_run_id: str) -> None:
+    conn.execute(chains.update().where(chains.c.token == token).values(flow_run_id=flow_run_id))
