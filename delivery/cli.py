@@ -38,6 +38,8 @@ db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 mirror_app = typer.Typer(help="The local mirror of source records.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(mirror_app, name="mirror")
+alerts_app = typer.Typer(help="Alerting through Prefect automations.", no_args_is_help=True)
+app.add_typer(alerts_app, name="alerts")
 
 out = Console()
 err = Console(stderr=True)
@@ -442,6 +444,24 @@ def sandbox_command(
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     serve(settings)
+
+
+@alerts_app.command("install")
+def alerts_install(
+    block: Annotated[
+        str, typer.Option("--block", help="Notification block as BLOCK-TYPE/NAME, e.g. slack-webhook/ops.")
+    ],
+    enable: Annotated[
+        bool, typer.Option("--enable/--disabled", help="Create the automations enabled or paused.")
+    ] = True,
+) -> None:
+    """Create the two automations that alert once when a rule starts failing and once when it recovers."""
+    import asyncio
+
+    from flows.alerts import install
+
+    for name in asyncio.run(install(block, enable)):
+        out.print(f"automation {name!r} {'enabled' if enable else 'created paused'}")
 
 
 def main() -> None:

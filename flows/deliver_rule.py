@@ -17,12 +17,15 @@ from prefect import flow, get_client, get_run_logger, task
 from prefect.artifacts import acreate_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas import State
+from prefect.events import emit_event
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
+from delivery.alerts import transition
 from delivery.db import shared_engine
 from delivery.domain import BatchReport, ChainEnd, ChainReport, LedgerStatus, Phase
 from delivery.engine import Chain
+from delivery.store import chains
 from flows.lock import rule_lock
 
 BATCH_TIMEOUT_ENV = "DELIVERY_BATCH_TIMEOUT_SECONDS"
@@ -97,6 +100,25 @@ async def _publish(report: ChainReport) -> None:
     await acreate_table_artifact(table=rows, key=_artifact_key(report.rule), description=description)
 
 
+def _announce(chain: Chain, report: ChainReport) -> None:
+    """Emit a Prefect event when the rule's health changes; the automations in
+    `automations/chain-alerts.yaml` turn these into notifications."""
+    with chain.engine.connect().execution_options(readonly=True) as conn:
+        previous = chains.previous_end(conn, chain.rule.id, chain.token)
+    change = transition(previous, report.ended_by)
+    if change is None:
+        return
+    emit_event(
+        event=change.value,
+        resource={
+            "prefect.resource.id": f"delivery.rule.{chain.rule.name}",
+            "prefect.resource.name": chain.rule.name,
+            "delivery.target": chain.rule.target.name,
+        },
+        payload={"ended_by": report.ended_by.value, "message": report.message, "previous": previous},
+    )
+
+
 async def _label_run(chain: Chain) -> None:
     """Name and tag the run after the rule and target, so operators can filter on them."""
     run_id = flow_run.get_id()
@@ -127,12 +149,14 @@ async def deliver_rule(rule: str, chain_token: str | None = None) -> State[Any]:
     except BaseException as exc:
         report = chain.finish(exc)
         await _publish(report)
+        _announce(chain, report)
         logger.error("chain of %s failed: %s", rule, report.message)
         raise
     finally:
         _chains.pop(chain.token, None)
     report = chain.finish()
     await _publish(report)
+    _announce(chain, report)
     counts = ", ".join(f"{n} {status}" for status, n in sorted(report.counts.items()) if n)
     message = report.message or f"caught up: {counts or 'nothing to deliver'}"
     logger.info("chain of %s ended by %s: %s", rule, report.ended_by.value, message)
@@ -142,8 +166,6 @@ async def deliver_rule(rule: str, chain_token: str | None = None) -> State[Any]:
 def run_now(rule: str) -> dict[str, Any]:
     """Run one chain of `rule` in this process and summarise it (what `delivery run --json` prints)."""
     import asyncio
-
-    from delivery.store import chains
 
     async def _run() -> Any:
         return await deliver_rule(rule=rule, return_state=True)

@@ -142,3 +142,14 @@ def lock_holders(conn: sa.Connection, rule_id: int) -> list[dict[str, Any]]:
 
 def attach_flow_run(conn: sa.Connection, token: str, flow_run_id: str) -> None:
     conn.execute(chains.update().where(chains.c.token == token).values(flow_run_id=flow_run_id))
+
+
+def previous_end(conn: sa.Connection, rule_id: int, token: str) -> str | None:
+    """How the rule's last ended chain before `token` ended (None for its first chain)."""
+    value = conn.execute(
+        sa.select(chains.c.ended_by)
+        .where(chains.c.rule_id == rule_id, chains.c.token != token, chains.c.ended_at.is_not(None))
+        .order_by(chains.c.ended_at.desc())
+        .limit(1)
+    ).scalar()
+    return None if value is None else str(value)
