@@ -119,7 +119,7 @@ def test_a_tick_racing_a_manual_run_delivers_every_record_exactly_once(world: Wo
     manual = _spawn(_env(), tmp_path)
     time.sleep(1.0)
     tick_state = asyncio.run(delivery_tick(return_state=True))  # type: ignore[call-overload]
-    out, err = manual.communicate(timeout=300)
+    _out, err = manual.communicate(timeout=300)
     assert manual.returncode == 0, err[-2000:]
     assert tick_state.is_completed()
     _assert_each_created_once(world, ids)
@@ -283,7 +283,7 @@ def test_on_the_embedded_api_a_killed_holders_slot_is_repaired(world: World, tmp
     world.target.latency_ms = 0
     started = time.monotonic()
     survivor = _spawn(env, tmp_path)
-    out, err = survivor.communicate(timeout=240)
+    _out, err = survivor.communicate(timeout=240)
     assert survivor.returncode == 0, err[-3000:]
     assert time.monotonic() - started < 150
     assert "freed the lock" in err or "freed a lock slot" in err  # it was stuck, and was repaired
