@@ -31,5 +31,13 @@ typecheck: $(STAMP)
 
 check: lint typecheck test
 
+## The whole engine end to end on the embedded defaults (SQLite, Prefect's local API, a sandbox target).
+demo: $(STAMP)
+	$(BIN)/delivery demo
+
+## The long-running job on this machine: a local Prefect server, the 5-minute tick and deliver-rule.
+serve: $(STAMP)
+	$(BIN)/delivery serve
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

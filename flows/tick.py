@@ -9,6 +9,7 @@ the UI; otherwise (local use, tests) the tick runs them itself, one after anothe
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 from uuid import UUID
 
@@ -38,10 +39,8 @@ async def _deployment_exists() -> bool:
 
 async def _cancel(flow_run_id: str, message: str) -> None:
     async with get_client() as client:
-        try:
+        with contextlib.suppress(ObjectNotFound):  # a run recorded by another (ephemeral) Prefect API
             await client.set_flow_run_state(UUID(flow_run_id), Cancelled(message=message), force=True)
-        except ObjectNotFound:  # a run recorded by another (ephemeral) Prefect API
-            pass
 
 
 @flow(name="delivery-tick", retries=0)

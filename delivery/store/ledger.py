@@ -127,6 +127,17 @@ def settle(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outco
         conn.execute(ledger.update().where(ledger.c.id == candidate.ledger.id).values(**values))
 
 
+def settled_since(conn: sa.Connection, rule_id: int, since: datetime) -> int:
+    """Rows the rule's chains wrote since `since` (a progress figure, not a hot path)."""
+    return int(
+        conn.execute(
+            sa.select(sa.func.count()).where(
+                ledger.c.rule_id == rule_id, ledger.c.updated_at >= sa.literal(since, ledger.c.updated_at.type)
+            )
+        ).scalar_one()
+    )
+
+
 def counts_by_status(conn: sa.Connection, rule_id: int) -> dict[str, int]:
     rows = conn.execute(
         sa.select(ledger.c.status, sa.func.count()).where(ledger.c.rule_id == rule_id).group_by(ledger.c.status)

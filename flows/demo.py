@@ -1,0 +1,281 @@
+"""`delivery demo`: a stranger's first ten minutes, in under two.
+
+Starts the sandbox target, applies `examples/demo-config.yaml`, loads a deterministic sample mirror,
+and runs chains through the real `deliver-rule` flow: a first delivery, changes (updates and
+suppressions), faults (failed and parked records, a breaker opening) and recovery (due retries
+drained). Everything it starts it stops; its database is a SQLite file in its work directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from delivery import db
+from delivery.clock import utcnow
+from delivery.config import parse_config
+from delivery.domain import LedgerStatus
+from delivery.mirror_file import read_mirror_file
+from delivery.sandbox import SandboxServer, SandboxSettings
+from delivery.store import catalog
+from delivery.store import ledger as ledger_store
+from delivery.store.mirror import load_records
+
+RULE = "contacts-to-crm"
+TOKEN = "demo-token-not-a-secret"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+FIRST = [
+    "Ada",
+    "Grace",
+    "Alan",
+    "Edsger",
+    "Barbara",
+    "Donald",
+    "Frances",
+    "Ken",
+    "Margaret",
+    "Dennis",
+    "Radia",
+    "Leslie",
+]
+LAST = ["Lovelace", "Hopper", "Turing", "Dijkstra", "Liskov", "Knuth", "Allen", "Thompson", "Hamilton", "Ritchie"]
+COMPANIES = ["Analytical Engines", "Cobol Works", "Bletchley Labs", "Semaphore & Co", "Mesa Systems", "Unix Guild"]
+
+
+def contacts(count: int, seed: int = 7) -> Iterator[dict[str, Any]]:
+    """A deterministic, realistic-looking sample: the same records on every machine."""
+    rng = random.Random(seed)
+    for n in range(1, count + 1):
+        first, last = rng.choice(FIRST), rng.choice(LAST)
+        yield {
+            "id": f"contact-{n:05d}",
+            "payload": {
+                "email": f"{first}.{last}.{n}@example.com".lower(),
+                "full_name": f"{first} {last}",
+                "company": rng.choice(COMPANIES),
+                "phone": f"+44 20 {rng.randrange(1000, 9999)} {rng.randrange(1000, 9999)}",
+                "notes": "",
+                "last_seen_page": f"/products/{rng.randrange(1, 500)}",  # not mapped: changes are suppressed
+            },
+        }
+
+
+def _write(path: Path, records: list[dict[str, Any]]) -> Path:
+    with path.open("w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+    return path
+
+
+class Demo:
+    def __init__(self, workdir: Path, records: int, console: Console) -> None:
+        self.workdir = workdir
+        self.records = records
+        self.console = console
+        self.sample = list(contacts(records))
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, int]:
+        from flows.deliver_rule import run_now
+
+        self.run_now = run_now
+        started = time.monotonic()
+        if self.workdir.exists():
+            shutil.rmtree(self.workdir)
+        self.workdir.mkdir(parents=True)
+        url = f"sqlite:///{self.workdir / 'delivery.db'}"
+        os.environ[db.DATABASE_URL_ENV] = url
+        os.environ["DEMO_CRM_TOKEN"] = TOKEN
+        self.engine = db.shared_engine(url)
+        with SandboxServer(SandboxSettings(port=0, token=TOKEN, seed=42)) as sandbox:
+            self.sandbox = sandbox
+            self._step("1. configuration", self._configure)
+            self._step("2. first delivery", self._first_delivery)
+            self._step("3. changes: updates and suppressions", self._changes)
+            self._step("4. faults: failed, parked and a breaker opening", self._faults)
+            self._step("5. recovery: due retries drained first", self._recovery)
+        counts = self._summary(time.monotonic() - started)
+        return counts
+
+    def _step(self, title: str, body: Callable[[], None]) -> None:
+        self.console.rule(f"[bold]{title}")
+        body()
+
+    def _configure(self) -> None:
+        config = yaml.safe_load((EXAMPLES / "demo-config.yaml").read_text())
+        for connection in config["connections"]:
+            if connection["name"] == "crm":
+                connection["base_url"] = self.sandbox.url
+        with self.engine.begin() as conn:
+            report = catalog.apply_config(conn, parse_config(yaml.safe_dump(config)))
+        self.console.print(f"applied examples/demo-config.yaml: {', '.join(report.created)}")
+        self.console.print(f"sandbox target listening on {self.sandbox.url}")
+        path = _write(self.workdir / "contacts.jsonl", self.sample)
+        self._load(path)
+
+    def _load(self, path: Path) -> None:
+        with self.engine.begin() as conn:
+            report = load_records(conn, "shop", "contact", read_mirror_file(path))
+        self.console.print(
+            f"mirror load {path.name}: {report.inserted} new, {report.changed} changed, {report.unchanged} unchanged"
+        )
+
+    def _chain(self, label: str) -> dict[str, Any]:
+        """Run one chain through the flow, with a progress bar fed by the ledger as it fills."""
+        with self.engine.connect() as conn:
+            rule = catalog.get_rule(conn, RULE)
+        since = utcnow()
+        done = threading.Event()
+        with Progress(
+            TextColumn(label),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=True,
+        ) as progress:
+            bar = progress.add_task(label, total=None)
+
+            def watch() -> None:
+                while not done.wait(0.2):
+                    with self.engine.connect() as conn:
+                        progress.update(bar, completed=ledger_store.settled_since(conn, rule.id, since))
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            try:
+                result = self.run_now(RULE)
+            finally:
+                done.set()
+                watcher.join()
+        counts = {k: v for k, v in result["counts"].items() if v}
+        self.console.print(
+            f"{label}: [bold]{result['state']}[/bold] ended by {result['ended_by']}"
+            + (f" ({result['message']})" if result["ended_by"] != "caught_up" else "")
+            + f"; drained {self._nonzero(result['drained'])}, scanned {self._nonzero(result['scanned'])}"
+        )
+        return {**result, "nonzero": counts}
+
+    @staticmethod
+    def _nonzero(counts: dict[str, int]) -> str:
+        return ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "nothing"
+
+    def _first_delivery(self) -> None:
+        self._chain("deliver-rule")
+        self.console.print(f"the sandbox now holds {len(self._api('GET', 'contacts'))} contacts")
+        self._chain("run again (caught up, sends nothing)")
+
+    def _changes(self) -> None:
+        rng = random.Random(11)
+        changed = []
+        for record in rng.sample(self.sample, k=max(self.records // 10, 2)):
+            record["payload"]["full_name"] += " Jr."
+            changed.append(record)
+        for record in rng.sample([r for r in self.sample if r not in changed], k=max(self.records // 15, 2)):
+            record["payload"]["last_seen_page"] = "/checkout"  # unmapped: nothing to send
+            changed.append(record)
+        self._load(_write(self.workdir / "changes.jsonl", changed))
+        self._chain("deliver-rule")
+
+    def _faults(self) -> None:
+        rng = random.Random(23)
+        ledger = self._ledger_by_id()
+        # Somebody deleted a few contacts in the CRM on purpose: their next update finds them gone.
+        gone = rng.sample([r for r in self.sample if ledger[r["id"]]["remote_id"]], k=3)
+        for record in gone:
+            self._api("DELETE", f"contacts/{ledger[record['id']]['remote_id']}")
+            record["payload"]["phone"] = "+44 20 0000 0000"
+        # A few records the target refuses (too large for it): they fail, then park as exhausted.
+        refused = rng.sample([r for r in self.sample if r not in gone], k=3)
+        for record in refused:
+            record["payload"]["notes"] = "x" * (1024 * 1024 + 10)
+        self.console.print("3 contacts were deleted in the CRM, 3 others grew too large for it")
+        self._load(_write(self.workdir / "parked.jsonl", gone + refused))
+        self._chain("deliver-rule")
+
+        wobbly = rng.sample([r for r in self.sample if r not in gone + refused], k=max(self.records // 10, 5))
+        for record in wobbly:
+            record["payload"]["phone"] = "+44 20 1111 1111"
+        self._load(_write(self.workdir / "wobbly.jsonl", wobbly))
+        self._api("PUT", "_faults", {"fail_rate": 0.2})
+        self.console.print("sandbox: 20% of writes now answer 503")
+        self._chain("deliver-rule")
+        self._api("PUT", "_faults", {"fail_rate": 1.0})
+        self.console.print("sandbox: the target is down (every write answers 503); more changes arrive")
+        more = rng.sample([r for r in self.sample if r not in gone + refused + wobbly], k=20)
+        for record in more:
+            record["payload"]["company"] = "Moved Ltd"
+        self._load(_write(self.workdir / "more.jsonl", more))
+        time.sleep(2.1)  # let the first retries come due
+        self._chain("deliver-rule")
+        self._chain("run again while the breaker is open")
+
+    def _recovery(self) -> None:
+        self._api("PUT", "_faults", {"fail_rate": 0.0})
+        self.console.print("sandbox: healthy again; waiting for the breaker's cooldown and the retry times")
+        time.sleep(3.2)
+        self._chain("deliver-rule")
+        time.sleep(2.1)
+        self._chain("deliver-rule")
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _api(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        response = httpx.request(
+            method, f"{self.sandbox.url}/{path}", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+        )
+        response.raise_for_status()
+        return response.json() if response.content else None
+
+    def _ledger_by_id(self) -> dict[str, dict[str, Any]]:
+        with self.engine.connect() as conn:
+            return {row["external_id"]: row for row in ledger_store.ledger_rows(conn, RULE)}
+
+    def _summary(self, seconds: float) -> dict[str, int]:
+        with self.engine.connect() as conn:
+            counts = ledger_store.counts_by_status(conn, catalog.get_rule(conn, RULE).id)
+        self.console.rule("[bold]summary")
+        table = Table("status", "records", "meaning")
+        meaning = {
+            LedgerStatus.DELIVERED: "in the CRM, up to date",
+            LedgerStatus.SUPPRESSED: "considered, nothing to send (unmapped change)",
+            LedgerStatus.FAILED: "waiting for their next attempt",
+            LedgerStatus.EXHAUSTED: "parked: refused until max_attempts",
+            LedgerStatus.REMOTE_GONE: "parked: deleted in the CRM",
+        }
+        for status in LedgerStatus:
+            table.add_row(status.value, str(counts[status.value]), meaning[status])
+        self.console.print(table)
+        env = f"DELIVERY_DATABASE_URL=sqlite:///{self.workdir / 'delivery.db'}"
+        self.console.print(f"finished in {seconds:.0f} s. Next, against the demo's database:")
+        for line in (
+            f"export {env}",
+            "delivery status",
+            "delivery ledger --status exhausted",
+            "delivery ledger --status remote_gone --json",
+            f"delivery requeue {RULE} --status remote_gone --dry-run",
+            "delivery sandbox &   # a target to deliver to again (port 8900), then: delivery run " + RULE,
+            "prefect server start   # then, in another shell:",
+            f"PREFECT_API_URL=http://127.0.0.1:4200/api delivery run {RULE}   # and open http://127.0.0.1:4200",
+        ):
+            self.console.print(f"  [cyan]{line}[/cyan]")
+        return counts
+
+
+def run_demo(workdir: Path, records: int = 3000, console: Console | None = None) -> dict[str, int]:
+    return Demo(workdir, records, console or Console()).run()
