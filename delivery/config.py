@@ -54,6 +54,7 @@ class RuleConfig(_Strict):
     )
     fields: dict[str, str] | None = None
     enabled: bool = True
+    concurrency: int = Field(default=1, ge=1, le=64)
 
     @field_validator("fields")
     @classmethod

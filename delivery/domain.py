@@ -125,6 +125,7 @@ class Rule:
     fields: dict[str, str] | None
     enabled: bool
     cursor: Cursor | None
+    concurrency: int = 1
 
 
 @dataclass(frozen=True)

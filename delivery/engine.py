@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -177,21 +178,22 @@ class Chain:
                 candidates = ledger.drain_page(conn, rule, self.started_at, rule.batch_size)
             else:
                 candidates = ledger.scan_page(conn, rule, self._scan_from, rule.batch_size)
+        attempted, ended = self._work(candidates, phase)
+        for status in attempted:
+            if status is not None:
+                report.attempted += 1
+                report.counts[status.value] += 1
+        if ended is ChainEnd.SUPERSEDED:
+            return self._superseded(report)
+        if ended is ChainEnd.BREAKER_OPEN:
+            report.ended_by = ended
+            report.message = self._breaker_message(breaker_open_until(self._breaker, self.clock()))
+        # The cursor moves past the records attempted, and only those: with writes in parallel a
+        # breaker can cut a batch with holes, so it stops before the first record not attempted.
         highest: Cursor | None = None
-        for candidate in candidates:
-            self._check(candidate, phase)
-            outcome = self._deliver(candidate)
-            if outcome is None:
-                report.ended_by = ChainEnd.BREAKER_OPEN
-                report.message = self._breaker_message(breaker_open_until(self._breaker, self.clock()))
+        for candidate, status in zip(candidates, attempted, strict=True):
+            if status is None:
                 break
-            with self.engine.begin() as conn:
-                if not chains.holds_fence(conn, rule.id, self.token):
-                    return self._superseded(report)
-                ledger.settle(conn, rule, candidate, outcome, self.clock())
-                chains.heartbeat(conn, self.token, self.clock())
-            report.attempted += 1
-            report.counts[outcome.status.value] += 1
             highest = Cursor(candidate.record.changed_at, candidate.record.id)
         if phase is Phase.SCAN and candidates:
             self._scan_from = Cursor(candidates[-1].record.changed_at, candidates[-1].record.id)
@@ -203,6 +205,62 @@ class Chain:
                 chains.heartbeat(conn, self.token, self.clock())
         self.report.add(report)
         return report
+
+    def _work(self, candidates: list[Candidate], phase: Phase) -> tuple[list[LedgerStatus | None], ChainEnd | None]:
+        """Deliver and settle the candidates, `rule.concurrency` at a time (1: strictly in order).
+        Returns each candidate's settled status (None: not attempted) and how the batch was cut
+        short, if it was. The first exception stops every worker and is raised."""
+        assert self._breaker is not None and self._writer is not None
+        settled: list[LedgerStatus | None] = [None] * len(candidates)
+        workers = min(self.rule.concurrency, len(candidates)) if self._writer.thread_safe else 1
+        stop = threading.Event()
+        ended: list[ChainEnd] = []
+        errors: list[BaseException] = []
+        pending = iter(range(len(candidates)))
+        take = threading.Lock()
+
+        def worker(breaker: pybreaker.CircuitBreaker) -> None:
+            try:
+                while not stop.is_set():
+                    with take:
+                        index = next(pending, None)
+                    if index is None:
+                        return
+                    candidate = candidates[index]
+                    self._check(candidate, phase)
+                    outcome = self._deliver(candidate, breaker)
+                    if outcome is None:
+                        ended.append(ChainEnd.BREAKER_OPEN)
+                        stop.set()
+                        return
+                    with self.engine.begin() as conn:
+                        if not chains.holds_fence(conn, self.rule.id, self.token):
+                            ended.append(ChainEnd.SUPERSEDED)
+                            stop.set()
+                            return
+                        ledger.settle(conn, self.rule, candidate, outcome, self.clock())
+                        chains.heartbeat(conn, self.token, self.clock())
+                    settled[index] = outcome.status
+            except BaseException as exc:
+                errors.append(exc)
+                stop.set()
+
+        if workers <= 1:
+            worker(self._breaker)
+        else:
+            # pybreaker holds its lock across the call, so each worker gets a breaker of its own;
+            # they share one state through the database, as separate processes would.
+            threads = [
+                threading.Thread(target=worker, args=(make_breaker(self.engine, self.rule),), daemon=True)
+                for _ in range(workers)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        if errors:
+            raise errors[0]
+        return settled, (ChainEnd.SUPERSEDED if ChainEnd.SUPERSEDED in ended else (ended[0] if ended else None))
 
     def _superseded(self, report: BatchReport) -> BatchReport:
         report.ended_by = ChainEnd.SUPERSEDED
@@ -234,9 +292,9 @@ class Chain:
 
     # -- one record ----------------------------------------------------------------------------
 
-    def _deliver(self, candidate: Candidate) -> Outcome | None:
+    def _deliver(self, candidate: Candidate, breaker: pybreaker.CircuitBreaker) -> Outcome | None:
         """The record's outcome, or None when the breaker refused to let the call through."""
-        assert self._writer is not None and self._breaker is not None
+        assert self._writer is not None
         rule, record, row = self.rule, candidate.record, candidate.ledger
         generation = row.create_generation if row else 0
 
@@ -269,12 +327,12 @@ class Chain:
                 if not isinstance(writer, Creates):
                     raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, verb.value)
                 key = policy.idempotency_key(rule.name, record.external_id, generation)
-                remote_id = self._breaker.call(writer.create, body, key)
+                remote_id = breaker.call(writer.create, body, key)
             else:
                 if not isinstance(writer, Updates):
                     raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, verb.value)
                 assert row is not None and row.remote_id is not None
-                self._breaker.call(writer.update, row.remote_id, body)
+                breaker.call(writer.update, row.remote_id, body)
                 remote_id = row.remote_id
         except pybreaker.CircuitBreakerError:
             return None

@@ -52,6 +52,7 @@ def _rule_from_row(row: Any, by_id: dict[int, Connection]) -> Rule:
         fields=row.fields,
         enabled=row.enabled,
         cursor=cursor,
+        concurrency=row.concurrency,
     )
 
 
@@ -153,6 +154,7 @@ def apply_config(conn: sa.Connection, config: DeliveryConfig) -> ApplyReport:
             "retry_schedule": list(r.retry_schedule_seconds),
             "fields": r.fields,
             "enabled": r.enabled,
+            "concurrency": r.concurrency,
         }
         rule_id, before = _upsert(conn, rules, "rule", r.name, values, report)
         if before is not None and (before["source_id"], before["domain"]) != (values["source_id"], r.domain):

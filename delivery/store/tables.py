@@ -94,6 +94,8 @@ rules = sa.Table(
     sa.Column("retry_schedule", sa.JSON, nullable=False),
     sa.Column("fields", sa.JSON),
     sa.Column("enabled", sa.Boolean, nullable=False),
+    # Writes in flight at once within a batch (each record still settles on its own).
+    sa.Column("concurrency", sa.Integer, nullable=False, server_default="1"),
     sa.Column("cursor_changed_at", UTCDateTime),
     sa.Column("cursor_record_id", sa.BigInteger),
     # The fence: only the chain holding this token may write for the rule.

@@ -17,6 +17,9 @@ class Writer(ABC):
 
     #: Whether a connection using this writer must declare `base_url` (checked at save time).
     needs_base_url: ClassVar[bool] = False
+    #: Whether one instance may be called from several threads at once (a rule's `concurrency`
+    #: above 1 is honoured only then; otherwise its writes stay one at a time).
+    thread_safe: ClassVar[bool] = False
 
     def __init__(self, target: Connection, collection: str) -> None:
         self.target = target

@@ -50,6 +50,7 @@ class _RestWriter(Writer):
     """The transport and the answer mapping every variant shares; verbs come from the mixins."""
 
     needs_base_url = True
+    thread_safe = True  # httpx.Client is safe to share between threads
 
     def __init__(self, target: Connection, collection: str, transport: httpx.BaseTransport | None = None) -> None:
         super().__init__(target, collection)

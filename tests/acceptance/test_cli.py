@@ -335,6 +335,19 @@ def test_mirror_load_from_an_unknown_source_exits_2(engine: sa.Engine, applied: 
     assert table_rows(engine, mirror_records) == []
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: delivery/cli.py mirror_load (l. 97) / delivery/store/mirror.py load_records take --domain "
+    "unchecked, while a rule's domain must be 1-200 characters (config.py RuleConfig.domain, column String(200)): "
+    "'' is loaded where no rule can ever read it (exit 0); 300 characters is stored on SQLite and is a traceback "
+    "(exit 1) on PostgreSQL. It should exit 2 naming --domain, with nothing loaded",
+)
+@pytest.mark.parametrize("domain", ["", "d" * 300], ids=["empty", "longer-than-200"])
+def test_mirror_load_refuses_a_domain_no_rule_can_have(engine: sa.Engine, applied: Path, domain: str) -> None:
+    refused(load(applied, write_jsonl(applied, "one.jsonl", [contact("a")]), domain=domain), "domain")
+    assert table_rows(engine, mirror_records) == []
+
+
 @pytest.mark.slow
 def test_mirror_load_of_100k_lines(db_url: str, request: pytest.FixtureRequest) -> None:
     if db_url.startswith("postgresql"):
@@ -457,6 +470,7 @@ def test_run_delivers_and_prints_json_alone_on_stdout(live: Path, target: Target
     assert result["flow_run_id"]
     stored = target.records("contacts")
     assert sorted(r["email"] for r in stored.values()) == ["a@example.com", "b@example.com"]
+    assert f"chain of {RULE} ended by caught_up" in proc.stderr  # Prefect's logs: on stderr, not mixed in
     no_secret(proc)
 
     rows = as_json(delivery("ledger", "--json", cwd=live))
@@ -525,9 +539,15 @@ def env_without_database() -> dict[str, str]:
 
 
 def test_help_lists_every_command(tmp_path: Path) -> None:
+    import typer.main
+
+    from delivery.cli import app
+
+    registered = set(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    assert {"apply", "mirror", "connections", "connection-status", "rules", "ledger", "run", "db"} <= registered
     env = env_without_database()
     top = ok(delivery("--help", cwd=tmp_path, env=env)).stdout
-    for command in ("apply", "mirror", "connections", "connection-status", "rules", "ledger", "run", "db"):
+    for command in sorted(registered):
         assert f" {command} " in top, command
     assert not (tmp_path / "delivery.db").exists()
 
@@ -538,7 +558,7 @@ TABLES = {"alembic_version", "connections", "mirror_records", "rules", "ledger",
 def test_db_upgrade_creates_the_schema_in_a_fresh_sqlite_file(tmp_path: Path) -> None:
     path = tmp_path / "fresh.db"
     env = {**env_without_database(), "DELIVERY_DATABASE_URL": f"sqlite:///{path}"}
-    ok(delivery("db", "upgrade", cwd=tmp_path, env=env))
+    assert "latest schema" in ok(delivery("db", "upgrade", cwd=tmp_path, env=env)).stdout
     engine = sa.create_engine(f"sqlite:///{path}")
     try:
         assert set(sa.inspect(engine).get_table_names()) >= TABLES
@@ -548,7 +568,7 @@ def test_db_upgrade_creates_the_schema_in_a_fresh_sqlite_file(tmp_path: Path) ->
 
 def test_db_upgrade_on_a_migrated_database_is_a_no_op(engine: sa.Engine, applied: Path) -> None:
     before = table_rows(engine, connections)
-    ok(delivery("db", "upgrade", cwd=applied))
+    assert "latest schema" in ok(delivery("db", "upgrade", cwd=applied)).stdout
     assert table_rows(engine, connections) == before
 
 
