@@ -58,7 +58,7 @@ def _oldest_undelivered(conn: sa.Connection, rule: Rule) -> datetime | None:
         )
     ).scalar()
     if failed is not None:
-        candidates.append(failed if failed.tzinfo else failed.replace(tzinfo=first.tzinfo if first else None))
+        candidates.append(failed)
     return min(candidates) if candidates else None
 
 
