@@ -29,13 +29,13 @@ class BreakerConfig(_Strict):
 
 class ConnectionConfig(_Strict):
     name: Name
-    driver: str | None = Field(default=None, min_length=1)
+    driver: str | None = Field(default=None, min_length=1, max_length=200)
     # None: a new connection starts active, an existing one keeps the status an operator gave it.
     status: ConnectionStatus | None = None
-    base_url: str | None = Field(default=None, pattern=r"^https?://[^\s]+$")
-    token_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    base_url: str | None = Field(default=None, max_length=2000, pattern=r"^https?://[^\s]+$")
+    token_env: str | None = Field(default=None, max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     timeout_seconds: float = Field(default=10.0, gt=0, le=600)
-    id_field: str = Field(default="id", min_length=1)
+    id_field: str = Field(default="id", min_length=1, max_length=200)
     breaker: BreakerConfig = BreakerConfig()
 
 

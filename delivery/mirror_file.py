@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from delivery.errors import MirrorLoadError
+from delivery.errors import InputError, MirrorLoadError
 from delivery.store.mirror import MirrorInput
 
 _KEYS = {"id", "payload", "deleted"}
@@ -43,7 +43,7 @@ def read_mirror_file(path: Path) -> Iterator[MirrorInput]:
     try:
         handle = path.open("rb")
     except OSError as exc:
-        raise MirrorLoadError(0, f"{path} cannot be read: {exc.strerror}") from exc
+        raise InputError(f"{path} cannot be read: {exc.strerror}") from exc
     with handle:
         for number, raw in enumerate(handle, start=1):
             try:

@@ -13,7 +13,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from delivery.clock import utcnow
-from delivery.errors import UnknownName
+from delivery.errors import InputError, UnknownName
 from delivery.store.tables import connections, mirror_records
 
 #: Rows per round trip: large enough to amortise the statement, small enough for SQLite's
@@ -60,6 +60,8 @@ def source_id(conn: sa.Connection, source: str) -> int:
 def load_records(conn: sa.Connection, source: str, domain: str, records: Iterable[MirrorInput]) -> LoadReport:
     """Upsert `records` inside the caller's transaction, so a caller that fails part-way (a bad
     line further on) rolls back everything. `records` is consumed lazily, chunk by chunk."""
+    if not 1 <= len(domain) <= 200:
+        raise InputError(f"--domain: {domain[:40]!r} must be 1 to 200 characters, as a rule's domain is")
     src = source_id(conn, source)
     report = LoadReport()
     for chunk in _chunks(records, CHUNK):

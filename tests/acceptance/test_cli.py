@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -133,7 +134,7 @@ def write_yaml(directory: Path, name: str, data: dict[str, Any]) -> str:
     return name
 
 
-def write_jsonl(directory: Path, name: str, lines: list[dict[str, Any] | str]) -> str:
+def write_jsonl(directory: Path, name: str, lines: Sequence[dict[str, Any] | str]) -> str:
     text = "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
     (directory / name).write_text(text, encoding="utf-8")
     return name
@@ -271,12 +272,6 @@ def test_refused_configs_exit_2_naming_the_place_and_write_nothing(
     assert_catalog_empty(engine)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: delivery/config.py ConnectionConfig (base_url, driver, token_env, id_field) has no max_length "
-    "matching the columns (String(2000)/String(200)): PostgreSQL fails the INSERT with a traceback (exit 1), "
-    "SQLite stores it; it should be refused as input (exit 2, naming connections[0].base_url)",
-)
 def test_a_value_longer_than_its_column_is_refused_as_input(db_url: str, engine: sa.Engine, workdir: Path) -> None:
     too_long = UNREACHABLE + "/" + "a" * 2100
     proc = delivery("apply", write_yaml(workdir, "long.yaml", config(too_long)), cwd=workdir)
@@ -335,13 +330,6 @@ def test_mirror_load_from_an_unknown_source_exits_2(engine: sa.Engine, applied: 
     assert table_rows(engine, mirror_records) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: delivery/cli.py mirror_load (l. 97) / delivery/store/mirror.py load_records take --domain "
-    "unchecked, while a rule's domain must be 1-200 characters (config.py RuleConfig.domain, column String(200)): "
-    "'' is loaded where no rule can ever read it (exit 0); 300 characters is stored on SQLite and is a traceback "
-    "(exit 1) on PostgreSQL. It should exit 2 naming --domain, with nothing loaded",
-)
 @pytest.mark.parametrize("domain", ["", "d" * 300], ids=["empty", "longer-than-200"])
 def test_mirror_load_refuses_a_domain_no_rule_can_have(engine: sa.Engine, applied: Path, domain: str) -> None:
     refused(load(applied, write_jsonl(applied, "one.jsonl", [contact("a")]), domain=domain), "domain")
@@ -371,7 +359,7 @@ def test_connections_listing_and_status(engine: sa.Engine, applied: Path) -> Non
     table = ok(delivery("connections", cwd=applied)).stdout
     for text in ("crm", "shop", "rest", "active", UNREACHABLE, "CRM_TOKEN"):
         assert text in table
-    expected = [
+    expected: list[dict[str, Any]] = [
         {"name": "crm", "driver": "rest", "status": "active", "base_url": UNREACHABLE, "token_env": "CRM_TOKEN"},
         {"name": "shop", "driver": None, "status": "active", "base_url": None, "token_env": None},
     ]
@@ -388,9 +376,9 @@ def test_connections_listing_and_status(engine: sa.Engine, applied: Path) -> Non
         spawn("connection-status", "crm", "bogus", cwd=applied),
     )
     refused(finish(unknown), "'erp'")
-    bad_value = finish(bad_value)
-    refused(bad_value, "bogus")
-    assert "Usage" in bad_value.stderr
+    usage_error = finish(bad_value)
+    refused(usage_error, "bogus")
+    assert "Usage" in usage_error.stderr
     assert [c["status"] for c in table_rows(engine, connections)] == ["error", "active"]
 
 
