@@ -205,9 +205,7 @@ def _superseded_chain(world: World) -> None:
     reason="BUG: delivery/store/chains.py previous_end() returns a superseded chain's end, so a "
     "superseded chain resets the rule's health: no 'recovered' after failing, a second 'failing' page",
 )
-def test_a_superseded_chain_between_chains_does_not_change_what_is_announced(
-    world: World, emitted: list[str]
-) -> None:
+def test_a_superseded_chain_between_chains_does_not_change_what_is_announced(world: World, emitted: list[str]) -> None:
     world.set_driver("soap")
     world.run()
     _superseded_chain(world)
