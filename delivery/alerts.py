@@ -13,10 +13,15 @@ class Transition(enum.StrEnum):
     RECOVERED = "delivery.rule.recovered"
 
 
+#: The chain ends that say something about the rule itself. A superseded or disabled chain, a
+#: closed route or an open breaker (not a rule fault, ADR-0029) neither fails nor clears a rule.
+TELLING = frozenset({ChainEnd.CAUGHT_UP, ChainEnd.RULE_FAULT})
+
+
 def transition(previous: str | None, current: ChainEnd) -> Transition | None:
-    """A rule is failing while its chains end by a rule fault. Superseded chains say nothing about
-    the rule's health; a closed route or an open breaker is not a rule fault (ADR-0029)."""
-    if current is ChainEnd.SUPERSEDED:
+    """A rule is failing while its chains end by a rule fault, and recovered once a chain catches
+    up again. `previous` is how the last telling chain before this one ended."""
+    if current not in TELLING:
         return None
     was_failing = previous == ChainEnd.RULE_FAULT.value
     is_failing = current is ChainEnd.RULE_FAULT

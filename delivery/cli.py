@@ -320,6 +320,8 @@ def requeues_command(
     from delivery.store import requeue as requeue_store
 
     with _read() as conn:
+        if rule is not None:
+            catalog.get_rule(conn, rule)
         rows = requeue_store.history(conn, rule)
     if as_json:
         _print_json([{**r, "requested_at": _iso(r["requested_at"])} for r in rows])

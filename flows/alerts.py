@@ -8,7 +8,7 @@ from uuid import UUID
 from prefect import get_client
 from prefect.automations import Automation
 from prefect.events.actions import SendNotification
-from prefect.events.schemas.automations import EventTrigger, Posture
+from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
 from prefect.exceptions import ObjectNotFound
 
 from delivery.alerts import Transition
@@ -67,6 +67,7 @@ async def install(block: str, enabled: bool) -> list[str]:
                 await client.delete_automation(existing[wanted].id)
         created = []
         for automation in automations(document.id, enabled):
-            await client.create_automation(automation)
+            # The client sends the model whole, and the API refuses its empty "id".
+            await client.create_automation(AutomationCore(**automation.model_dump(exclude={"id"})))
             created.append(automation.name)
     return created

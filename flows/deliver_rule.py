@@ -21,7 +21,7 @@ from prefect.events import emit_event
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
-from delivery.alerts import transition
+from delivery.alerts import TELLING, transition
 from delivery.db import shared_engine
 from delivery.domain import BatchReport, ChainEnd, ChainReport, LedgerStatus, Phase
 from delivery.engine import Chain
@@ -104,7 +104,7 @@ def _announce(chain: Chain, report: ChainReport) -> None:
     """Emit a Prefect event when the rule's health changes; the automations in
     `automations/chain-alerts.yaml` turn these into notifications."""
     with chain.engine.connect().execution_options(readonly=True) as conn:
-        previous = chains.previous_end(conn, chain.rule.id, chain.token)
+        previous = chains.previous_end(conn, chain.rule.id, chain.token, [end.value for end in TELLING])
     change = transition(previous, report.ended_by)
     if change is None:
         return

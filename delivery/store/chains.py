@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -144,11 +145,16 @@ def attach_flow_run(conn: sa.Connection, token: str, flow_run_id: str) -> None:
     conn.execute(chains.update().where(chains.c.token == token).values(flow_run_id=flow_run_id))
 
 
-def previous_end(conn: sa.Connection, rule_id: int, token: str) -> str | None:
-    """How the rule's last ended chain before `token` ended (None for its first chain)."""
+def previous_end(conn: sa.Connection, rule_id: int, token: str, telling: Iterable[str]) -> str | None:
+    """How the rule's last chain before `token` that ended in one of the `telling` ways ended."""
     value = conn.execute(
         sa.select(chains.c.ended_by)
-        .where(chains.c.rule_id == rule_id, chains.c.token != token, chains.c.ended_at.is_not(None))
+        .where(
+            chains.c.rule_id == rule_id,
+            chains.c.token != token,
+            chains.c.ended_at.is_not(None),
+            chains.c.ended_by.in_(list(telling)),
+        )
         .order_by(chains.c.ended_at.desc())
         .limit(1)
     ).scalar()

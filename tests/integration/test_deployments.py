@@ -120,11 +120,6 @@ def slack_block(prefect_api: None) -> tuple[str, Any]:
     return f"slack-webhook/{name}", block_id
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: flows/alerts.py:70 passes a prefect.automations.Automation (id=None) to "
-    "client.create_automation, which posts its 'id' field; the API refuses it (422 extra_forbidden)",
-)
 def test_alerts_install_creates_two_automations_and_reinstalling_replaces_them(
     slack_block: tuple[str, Any],
 ) -> None:
@@ -200,11 +195,6 @@ def _superseded_chain(world: World) -> None:
         chains.supersede(conn, rule_id, token, utcnow(), "judged dead by the tick")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: delivery/store/chains.py previous_end() returns a superseded chain's end, so a "
-    "superseded chain resets the rule's health: no 'recovered' after failing, a second 'failing' page",
-)
 def test_a_superseded_chain_between_chains_does_not_change_what_is_announced(world: World, emitted: list[str]) -> None:
     world.set_driver("soap")
     world.run()

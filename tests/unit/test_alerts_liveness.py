@@ -20,9 +20,9 @@ PREVIOUS: list[str | None] = [None, *(end.value for end in ChainEnd)]
 
 
 def expected_transition(previous: str | None, current: ChainEnd) -> Transition | None:
-    """The rule is failing while its chains end by a rule fault; a superseded chain says nothing
-    about the rule's health; a closed route or an open breaker is not a rule fault (ADR-0029)."""
-    if current is ChainEnd.SUPERSEDED:
+    """The rule is failing while its chains end by a rule fault and recovered when one catches up;
+    superseded and disabled chains, closed routes and open breakers say nothing either way."""
+    if current not in (ChainEnd.CAUGHT_UP, ChainEnd.RULE_FAULT):
         return None
     was_failing = previous == ChainEnd.RULE_FAULT.value
     if current is ChainEnd.RULE_FAULT:
@@ -49,11 +49,15 @@ def test_a_second_rule_fault_says_nothing() -> None:
     assert transition(ChainEnd.RULE_FAULT.value, ChainEnd.RULE_FAULT) is None
 
 
+def test_first_caught_up_chain_after_faults_is_recovered() -> None:
+    assert transition(ChainEnd.RULE_FAULT.value, ChainEnd.CAUGHT_UP) is Transition.RECOVERED
+
+
 @pytest.mark.parametrize(
-    "current", [ChainEnd.CAUGHT_UP, ChainEnd.ROUTE_CLOSED, ChainEnd.BREAKER_OPEN], ids=lambda c: c.value
+    "current", [ChainEnd.ROUTE_CLOSED, ChainEnd.BREAKER_OPEN, ChainEnd.DISABLED], ids=lambda c: c.value
 )
-def test_first_non_fault_after_faults_is_recovered(current: ChainEnd) -> None:
-    assert transition(ChainEnd.RULE_FAULT.value, current) is Transition.RECOVERED
+def test_a_closed_route_or_open_breaker_does_not_clear_a_failing_rule(current: ChainEnd) -> None:
+    assert transition(ChainEnd.RULE_FAULT.value, current) is None
 
 
 @pytest.mark.parametrize("previous", PREVIOUS, ids=lambda p: f"after-{p}")
@@ -82,7 +86,8 @@ def test_a_run_of_chains_alerts_once_per_change_of_health() -> None:
     alerts = []
     for end in ends:
         alerts.append(transition(previous, end))
-        previous = end.value
+        if end in (ChainEnd.CAUGHT_UP, ChainEnd.RULE_FAULT):  # what chains.previous_end looks back to
+            previous = end.value
     assert alerts == [
         None,
         Transition.FAILING,
@@ -91,7 +96,7 @@ def test_a_run_of_chains_alerts_once_per_change_of_health() -> None:
         Transition.RECOVERED,
         None,
         Transition.FAILING,
-        Transition.RECOVERED,
+        None,  # a closed route does not clear a failing rule: only a chain that catches up does
     ]
 
 
