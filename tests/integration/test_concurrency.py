@@ -12,7 +12,8 @@ from tests.target_server import Answer, TargetServer
 
 @pytest.fixture
 def world(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
-    return World(engine, target).apply(rule={"concurrency": 8, "batch_size": 20})
+    # A generous client timeout: eight writes at once on a loaded 2-core CI machine must not time out.
+    return World(engine, target).apply(rule={"concurrency": 8, "batch_size": 20}, target={"timeout_seconds": 10})
 
 
 def test_parallel_writes_deliver_each_record_once_and_park_faults_per_record(world: World) -> None:
