@@ -39,5 +39,9 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/delivery serve
 
+## Throughput and scan/drain cost (see docs/performance.md); `make bench ARGS=--quick` for a short run.
+bench: $(STAMP)
+	$(BIN)/python -m bench.run $(ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
