@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-sqlite lint typecheck check demo serve bench clean
+.PHONY: install test test-sqlite lint typecheck check demo serve bench bench-quick clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,8 @@ test-sqlite: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not postgres"
 
 lint: $(STAMP)
-	$(BIN)/ruff check delivery flows tests migrations
-	$(BIN)/ruff format --check delivery flows tests migrations
+	$(BIN)/ruff check delivery flows tests migrations bench
+	$(BIN)/ruff format --check delivery flows tests migrations bench
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -39,9 +39,13 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/delivery serve
 
-## Throughput and scan/drain cost (see docs/performance.md); `make bench ARGS=--quick` for a short run.
+## The benchmark (docs/performance.md): engine vs bare httpx vs naive Prefect, mirror sizes. ~15 min.
 bench: $(STAMP)
 	$(BIN)/python -m bench.run $(ARGS)
+
+## The same at tiny sizes (~1 min): CI runs it so the script cannot rot.
+bench-quick: $(STAMP)
+	$(BIN)/python -m bench.run --quick --json bench/results/quick.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

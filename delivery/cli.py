@@ -25,6 +25,9 @@ from delivery.store import ledger as ledger_store
 
 # The ephemeral Prefect server would otherwise try to phone home from machines with no internet.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Without PREFECT_API_URL, Prefect starts a local API server and gives it 20 s by default; with a
+# fresh PREFECT_HOME it first migrates its own database, which takes longer on a busy small machine.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 app = typer.Typer(
     name="delivery",

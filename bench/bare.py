@@ -1,0 +1,61 @@
+"""The physical limit: the same requests the engine makes, by a bare httpx client, nothing else.
+
+Same client stack as the engine's `rest` writer (one pooled `httpx.Client` shared by `concurrency`
+threads), same bodies, same `Idempotency-Key` header, and the answer's id is read as the writer
+does. No database, no breaker, no Prefect.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from delivery import policy
+
+
+def post_all(
+    base_url: str, collection: str, records: Sequence[tuple[str, dict[str, Any]]], concurrency: int, key_scope: str
+) -> float:
+    """POST every record (`(external_id, body)`) with `concurrency` requests in flight; returns the
+    elapsed seconds. Raises on the first answer that is not a create."""
+    client = httpx.Client(
+        base_url=base_url.rstrip("/") + "/",
+        headers={"Accept": "application/json", "User-Agent": "delivery-bench"},
+        timeout=httpx.Timeout(10.0),
+    )
+    pending = iter(range(len(records)))
+    take = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            while not errors:
+                with take:
+                    index = next(pending, None)
+                if index is None:
+                    return
+                external_id, body = records[index]
+                key = policy.idempotency_key(key_scope, external_id, 0)
+                response = client.post(collection, json=body, headers={"Idempotency-Key": key})
+                if response.status_code != 201 or not response.json().get("id"):
+                    raise RuntimeError(f"bare POST {collection}: HTTP {response.status_code}: {response.text[:200]}")
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, concurrency))]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        elapsed = time.perf_counter() - started
+    finally:
+        client.close()
+    if errors:
+        raise errors[0]
+    return elapsed

@@ -1,0 +1,455 @@
+"""Where a record's time goes inside the engine, and what a change would win: `python -m bench.profile`.
+
+Runs chains of the real `delivery.engine.Chain` directly (open, scan batches until one comes back
+empty, finish): no Prefect, no rule lock, so what is measured is the engine's per-record path,
+against the same sandbox target (own process, fixed latency) as `bench.run`.
+
+Every record's wall time is split into buckets by wrapping the functions on its path (the
+outermost wrapped call owns the time, so the buckets do not overlap): the HTTP round trip, the
+breaker's storage (its own transactions included), the fence check, the settle, the heartbeat,
+the pool checkout (and its pre-ping), BEGIN, COMMIT, the release to the pool, the page queries;
+what is left is Python in the engine, pybreaker and SQLAlchemy. With concurrency > 1 the buckets
+are summed over the worker threads, so they add up to more than the wall time.
+
+`--variant` runs what-if experiments: each one monkeypatches one piece of the engine *in this
+process only* to estimate what a source change would win. They are measurements for a decision,
+not proposals to ship as they are (see docs/performance.md for which keep the semantics):
+
+  baseline              the engine as it is
+  memory-breaker        pybreaker's in-process storage (an upper bound: the breaker costs nothing;
+                        it would no longer be shared between processes)
+  lean-breaker          DB storage that reads the counter after a success and writes only when it
+                        is not 0 (no write transaction per success)
+  no-pre-ping           PostgreSQL pool without pool_pre_ping
+  heartbeat-1s          the chain heartbeat written at most once a second, not per record
+  settle-upsert         INSERT .. ON CONFLICT DO NOTHING RETURNING instead of SAVEPOINT/INSERT/RELEASE
+  fence-share           the fence check takes the rule row FOR SHARE, not FOR UPDATE (PostgreSQL): a
+                        supersede (an UPDATE of that row) still waits for every settle in flight,
+                        but parallel workers no longer queue behind each other's settle
+  all                   all of the above but memory-breaker
+  no-settle             ceiling, not a design: no fence check, no ledger write, no heartbeat per record
+  no-record-db          ceiling, not a design: no-settle + memory-breaker (no database work per record)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import functools
+import json
+import pstats
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pybreaker
+import sqlalchemy as sa
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+
+import delivery.engine as engine_module
+from bench import pg
+from bench.target import SandboxProcess
+from bench.world import StatementCounter, apply, records, rule_entry
+from delivery import db
+from delivery.domain import Candidate, Outcome, Phase, Rule
+from delivery.engine import Chain
+from delivery.errors import LedgerRowConflict
+from delivery.store import breaker as breaker_store
+from delivery.store import chains as chains_store
+from delivery.store import ledger as ledger_store
+from delivery.store.mirror import MirrorInput, load_records
+from delivery.store.tables import breaker_states, ledger, rules
+
+PROFILE_DATABASE = "delivery_bench_profile"
+VARIANTS = (
+    "baseline",
+    "memory-breaker",
+    "lean-breaker",
+    "no-pre-ping",
+    "heartbeat-1s",
+    "settle-upsert",
+    "fence-share",
+    "all",
+    "no-settle",
+    "no-record-db",
+)
+
+# -------------------------------------------------------------------------------- the buckets
+
+BUCKET_LABELS = {
+    "http round trip": "HTTP",
+    "breaker storage": "breaker",
+    "fence check": "fence",
+    "settle": "settle",
+    "heartbeat": "heartbeat",
+    "pool checkout": "checkout",
+    "BEGIN": "BEGIN",
+    "COMMIT": "COMMIT",
+    "release to pool": "release",
+    "page query": "page",
+    "cursor": "cursor",
+    "rest": "rest (Python)",
+}
+BUCKET_ORDER = list(BUCKET_LABELS)
+
+
+class Buckets:
+    """Wall time per bucket, owned by the outermost wrapped call of each thread."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, attr: str, bucket: str) -> None:
+        original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        function: Callable[..., Any] = original.fget if isinstance(original, property) else original  # type: ignore[assignment]
+
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self._local, "inside", False):
+                return function(*args, **kwargs)
+            self._local.inside = True
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - started
+                self._local.inside = False
+                with self._lock:
+                    self.seconds[bucket] += elapsed
+                    self.calls[bucket] += 1
+
+        replacement = property(timed, original.fset) if isinstance(original, property) else timed
+        setattr(owner, attr, replacement)
+        self._undo.append((owner, attr, original))
+
+    def undo(self) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+        self._undo.clear()
+
+
+def instrument(buckets: Buckets) -> None:
+    buckets.wrap(httpx.Client, "send", "http round trip")
+    for attr in ("_get", "_set", "reset_counter", "_ensure_row"):
+        buckets.wrap(breaker_store.DatabaseBreakerStorage, attr, "breaker storage")
+    buckets.wrap(LeanBreakerStorage, "reset_counter", "breaker storage")
+    buckets.wrap(chains_store, "holds_fence", "fence check")
+    buckets.wrap(chains_store, "claim", "fence check")
+    buckets.wrap(ledger_store, "settle", "settle")
+    buckets.wrap(chains_store, "heartbeat", "heartbeat")
+    buckets.wrap(ledger_store, "scan_page", "page query")
+    buckets.wrap(chains_store, "move_cursor", "cursor")
+    buckets.wrap(sa.engine.Engine, "raw_connection", "pool checkout")
+    buckets.wrap(sa.engine.Connection, "_begin_impl", "BEGIN")
+    buckets.wrap(sa.engine.Connection, "_commit_impl", "COMMIT")
+    buckets.wrap(sa.engine.Connection, "close", "release to pool")
+
+
+# ------------------------------------------------------------------------------- the variants
+
+
+class LeanBreakerStorage(breaker_store.DatabaseBreakerStorage):
+    """After a success: read the counter, write only when it is not already 0."""
+
+    def reset_counter(self) -> None:
+        if self._get("fail_counter") != 0:
+            with self._engine.begin() as conn:
+                conn.execute(
+                    breaker_states.update()
+                    .where(breaker_states.c.connection_id == self._id, breaker_states.c.fail_counter != 0)
+                    .values(fail_counter=0)
+                )
+
+
+def _settle_upsert(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outcome, now: datetime) -> None:
+    if candidate.ledger is not None:
+        return _original_settle(conn, rule, candidate, outcome, now)
+    values = {
+        "rule_id": rule.id,
+        "record_id": candidate.record.id,
+        "status": outcome.status.value,
+        "remote_id": outcome.remote_id,
+        "attempts": outcome.attempts,
+        "next_attempt_at": outcome.next_attempt_at,
+        "last_error": outcome.last_error,
+        "settled_changed_at": candidate.record.changed_at,
+        "fingerprint": outcome.fingerprint,
+        "create_generation": outcome.create_generation,
+        "created_at": now,
+        "updated_at": now,
+    }
+    dialect = pg_dialect if conn.dialect.name == "postgresql" else sqlite_dialect
+    statement = (
+        dialect.insert(ledger)
+        .values(**values)
+        .on_conflict_do_nothing(index_elements=["rule_id", "record_id"])
+        .returning(ledger.c.id)
+    )
+    if conn.execute(statement).scalar() is None:
+        raise LedgerRowConflict(rule.name, candidate.record.external_id)
+
+
+_original_settle = ledger_store.settle
+
+
+@contextlib.contextmanager
+def variant(name: str) -> Iterator[dict[str, Any]]:
+    """Patch the engine for `name`; yields options for the engine the chain gets."""
+    undo: list[Callable[[], None]] = []
+    options: dict[str, Any] = {"pre_ping": True}
+    parts = {
+        "all": {"lean-breaker", "no-pre-ping", "heartbeat-1s", "settle-upsert", "fence-share"},
+        "no-record-db": {"no-settle", "memory-breaker"},
+    }.get(name, {name})
+    if "memory-breaker" in parts or "lean-breaker" in parts:
+        storage: Any = LeanBreakerStorage
+        if "memory-breaker" in parts:
+
+            def storage(_engine: sa.Engine, _id: int) -> pybreaker.CircuitBreakerStorage:
+                return pybreaker.CircuitMemoryStorage(pybreaker.STATE_CLOSED)
+
+        setattr(engine_module, "DatabaseBreakerStorage", storage)  # noqa: B010
+        undo.append(lambda: setattr(engine_module, "DatabaseBreakerStorage", breaker_store.DatabaseBreakerStorage))
+    if "no-pre-ping" in parts:
+        options["pre_ping"] = False
+    if "heartbeat-1s" in parts:
+        original = chains_store.heartbeat
+        last: dict[str, datetime] = {}
+
+        def heartbeat(conn: sa.Connection, token: str, now: datetime) -> None:
+            if token not in last or now - last[token] >= timedelta(seconds=1):
+                last[token] = now
+                original(conn, token, now)
+
+        chains_store.heartbeat = heartbeat
+        undo.append(lambda: setattr(chains_store, "heartbeat", original))
+    if "fence-share" in parts:
+        original_fence = chains_store.holds_fence
+
+        def holds_fence(conn: sa.Connection, rule_id: int, token: str) -> bool:
+            if conn.dialect.name != "postgresql":
+                return original_fence(conn, rule_id, token)
+            current = conn.execute(
+                sa.select(rules.c.chain_token).where(rules.c.id == rule_id).with_for_update(read=True)
+            ).scalar()
+            return bool(current == token)
+
+        chains_store.holds_fence = holds_fence
+        undo.append(lambda: setattr(chains_store, "holds_fence", original_fence))
+    if "no-settle" in parts:
+        saved = (chains_store.holds_fence, ledger_store.settle, chains_store.heartbeat)
+
+        def skip(*_: Any) -> None:
+            return None
+
+        setattr(chains_store, "holds_fence", lambda *_: True)  # noqa: B010
+        setattr(ledger_store, "settle", skip)  # noqa: B010
+        setattr(chains_store, "heartbeat", skip)  # noqa: B010
+
+        def restore() -> None:
+            chains_store.holds_fence, ledger_store.settle, chains_store.heartbeat = saved
+
+        undo.append(restore)
+    if "settle-upsert" in parts:
+        ledger_store.settle = _settle_upsert
+        undo.append(lambda: setattr(ledger_store, "settle", _original_settle))
+    try:
+        yield options
+    finally:
+        for step in reversed(undo):
+            step()
+
+
+# ---------------------------------------------------------------------------------- one chain
+
+
+def make_engine(url: str, pre_ping: bool) -> sa.Engine:
+    engine = db.create_engine(url)
+    if url.startswith("postgresql") and not pre_ping:
+        engine.dispose()
+        engine = sa.create_engine(url, pool_pre_ping=False)
+    return engine
+
+
+def prepare(url: str, sandbox: SandboxProcess, n: int) -> None:
+    engine = db.create_engine(url)
+    try:
+        db.upgrade(engine)
+        apply(engine, sandbox, "shop", [])
+        with engine.begin() as conn:
+            load_records(conn, "shop", "contact", (MirrorInput(e, p) for e, p in records("p", n)))
+    finally:
+        engine.dispose()
+
+
+def run_chain(
+    url: str, sandbox: SandboxProcess, name: str, n: int, concurrency: int, batch: int, pre_ping: bool, profile: bool
+) -> dict[str, Any]:
+    engine = make_engine(url, pre_ping)
+    try:
+        apply(engine, sandbox, "shop", [rule_entry(name, "shop", name.replace("-", "_"), batch, concurrency)])
+        buckets = Buckets()
+        instrument(buckets)
+        counter = StatementCounter(engine)
+        profiler = cProfile.Profile() if profile else None
+        cpu_started, started = time.process_time(), time.perf_counter()
+        try:
+            if profiler:
+                profiler.enable()
+            chain = Chain(engine, name)
+            if chain.open() is not None:
+                raise RuntimeError(f"chain of {name} did not open: {chain.report.message}")
+            while chain.run_batch(Phase.SCAN).attempted:
+                pass
+            report = chain.finish()
+        finally:
+            if profiler:
+                profiler.disable()
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+            buckets.undo()
+            counter.stop()
+        if report.counts.get("delivered") != n:
+            raise RuntimeError(f"chain of {name} delivered {report.counts.get('delivered')} of {n}")
+        result: dict[str, Any] = {
+            "records_per_s": round(n / elapsed, 1),
+            "ms_per_record": round(1000 * elapsed / n, 3),
+            "cpu_ms_per_record": round(1000 * cpu / n, 3),
+            "statements_per_record": round(counter.statements / n, 2),
+            "commits_per_record": round(counter.commits / n, 2),
+            "buckets_ms_per_record": {k: round(1000 * v / n, 3) for k, v in sorted(buckets.seconds.items())},
+        }
+        if concurrency == 1:
+            result["buckets_ms_per_record"]["rest"] = round(1000 * (elapsed - sum(buckets.seconds.values())) / n, 3)
+        if profiler:
+            stream = _Capture()
+            stats = pstats.Stats(profiler, stream=stream)  # type: ignore[arg-type]
+            stats.sort_stats("tottime").print_stats(25)
+            result["profile_tottime"] = stream.text
+        return result
+    finally:
+        engine.dispose()
+
+
+class _Capture:
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--db", choices=("sqlite", "postgresql"), action="append", help="default: both")
+    parser.add_argument("--records", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, action="append", help="default: 1 and 8")
+    parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--latency-ms", type=int, default=2)
+    parser.add_argument("--variant", choices=VARIANTS, action="append", help="default: baseline")
+    parser.add_argument("--cprofile", action="store_true", help="also print cProfile's top functions (tottime)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    databases = args.db or ["sqlite", "postgresql"]
+    concurrencies = args.concurrency or [1, 8]
+    variants = args.variant or ["baseline"]
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    workdir = Path(tempfile.mkdtemp(prefix="delivery-profile-"))
+    sandbox = SandboxProcess(args.latency_ms, workdir / "sandbox.log")
+    rows: list[dict[str, Any]] = []
+    failed = False
+    try:
+        sandbox.start()
+        run = 0
+        for label in databases:
+            for name in variants:
+                for c in concurrencies:
+                    run += 1  # a fresh database and rule name every run (a variant may be listed twice)
+                    url = (
+                        pg.create_database(PROFILE_DATABASE)
+                        if label == "postgresql"
+                        else f"sqlite:///{workdir / f'run-{run}.db'}"
+                    )
+                    prepare(url, sandbox, args.records)
+                    with variant(name) as options:
+                        rule = f"profile-{run}-{label}-{name}-c{c}"
+                        try:
+                            result = run_chain(
+                                url, sandbox, rule, args.records, c, args.batch_size, options["pre_ping"], args.cprofile
+                            )
+                        except Exception as exc:
+                            failed = True
+                            console.print(f"[red]FAILED[/red] {rule}: {exc}")
+                            continue
+                        finally:
+                            if label == "postgresql":
+                                pg.drop_database(PROFILE_DATABASE)
+                    rows.append({"db": label, "variant": name, "concurrency": c, **result})
+                    console.print(
+                        f"{label} {name} c={c}: {result['records_per_s']:,.0f} records/s, "
+                        f"{result['ms_per_record']:.2f} ms/record, CPU {result['cpu_ms_per_record']:.2f} ms/record"
+                    )
+                    if "profile_tottime" in result:
+                        console.print(result["profile_tottime"], markup=False, highlight=False)
+    finally:
+        sandbox.stop()
+        if "postgresql" in databases:
+            pg.drop_database(PROFILE_DATABASE)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    table = Table(title=f"Engine per-record path ({args.records} creates, latency {args.latency_ms} ms, no Prefect)")
+    for column in ("db", "variant", "c", "records/s", "ms/record", "CPU ms/record", "SQL/record", "commits/record"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            row["db"],
+            row["variant"],
+            str(row["concurrency"]),
+            f"{row['records_per_s']:,.0f}",
+            f"{row['ms_per_record']:.2f}",
+            f"{row['cpu_ms_per_record']:.2f}",
+            f"{row['statements_per_record']:.2f}",
+            f"{row['commits_per_record']:.2f}",
+        )
+    console.print(table)
+    names = [name for name in BUCKET_ORDER if any(name in row["buckets_ms_per_record"] for row in rows)]
+    split = Table(title="Where the time goes, ms per record (summed over the threads when c > 1)")
+    for column in ("run", *(BUCKET_LABELS[name] for name in names)):
+        split.add_column(column, justify="right")
+    for row in rows:
+        split.add_row(
+            f"{row['db']} {row['variant']} c={row['concurrency']}",
+            *(f"{row['buckets_ms_per_record'].get(name, 0):.2f}" for name in names),
+        )
+    console.print(split)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps({"records": args.records, "latency_ms": args.latency_ms, "runs": rows}, indent=2)
+        )
+        console.print(f"JSON: {args.json}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""What every part of the bench sets up the same way: the database in use, connections and rules,
+the records, and a count of the SQL the engine sends."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import sqlalchemy as sa
+import yaml
+
+from bench import mirror
+from bench.target import SandboxProcess
+from delivery import db
+from delivery.config import parse_config
+from delivery.store import catalog
+
+
+def use_database(url: str) -> sa.Engine:
+    """Point `DELIVERY_DATABASE_URL` (what the flow uses) at `url`; migrated on first use."""
+    db.dispose_engines()
+    os.environ[db.DATABASE_URL_ENV] = url
+    return db.shared_engine()
+
+
+def rule_entry(
+    name: str, source: str, collection: str, batch: int, concurrency: int, overlap: int = 300
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "source": source,
+        "domain": mirror.DOMAIN,
+        "target": "sandbox",
+        "collection": collection,
+        "batch_size": batch,
+        "concurrency": concurrency,
+        "overlap_seconds": overlap,
+    }
+
+
+def apply(engine: sa.Engine, sandbox: SandboxProcess, source: str, rules: list[dict[str, Any]]) -> None:
+    config = {
+        "connections": [
+            {"name": "sandbox", "driver": "rest", "base_url": sandbox.api, "timeout_seconds": 10},
+            {"name": source},
+        ],
+        "rules": rules,
+    }
+    with engine.begin() as conn:
+        catalog.apply_config(conn, parse_config(yaml.safe_dump(config), "bench config"))
+
+
+def records(prefix: str, n: int) -> list[tuple[str, dict[str, Any]]]:
+    """(external id, payload); the body sent is the whole payload (a rule without `fields`)."""
+    return [(f"{prefix}-{i}", mirror.payload(i)) for i in range(1, n + 1)]
+
+
+class StatementCounter:
+    """SQL statements and commits the engine's database sees while counting."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine, self.statements, self.commits = engine, 0, 0
+        sa.event.listen(engine, "before_cursor_execute", self._statement)
+        sa.event.listen(engine, "commit", self._commit)
+
+    def _statement(self, *_: Any) -> None:
+        self.statements += 1
+
+    def _commit(self, *_: Any) -> None:
+        self.commits += 1
+
+    def stop(self) -> None:
+        sa.event.remove(self.engine, "before_cursor_execute", self._statement)
+        sa.event.remove(self.engine, "commit", self._commit)
