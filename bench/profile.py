@@ -18,15 +18,7 @@ not proposals to ship as they are (see docs/performance.md for which keep the se
   baseline              the engine as it is
   memory-breaker        pybreaker's in-process storage (an upper bound: the breaker costs nothing;
                         it would no longer be shared between processes)
-  lean-breaker          DB storage that reads the counter after a success and writes only when it
-                        is not 0 (no write transaction per success)
   no-pre-ping           PostgreSQL pool without pool_pre_ping
-  heartbeat-1s          the chain heartbeat written at most once a second, not per record
-  settle-upsert         INSERT .. ON CONFLICT DO NOTHING RETURNING instead of SAVEPOINT/INSERT/RELEASE
-  fence-share           the fence check takes the rule row FOR SHARE, not FOR UPDATE (PostgreSQL): a
-                        supersede (an UPDATE of that row) still waits for every settle in flight,
-                        but parallel workers no longer queue behind each other's settle
-  all                   all of the above but memory-breaker
   no-settle             ceiling, not a design: no fence check, no ledger write, no heartbeat per record
   no-record-db          ceiling, not a design: no-settle + memory-breaker (no database work per record)
 """
@@ -46,7 +38,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -55,33 +46,24 @@ import pybreaker
 import sqlalchemy as sa
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy.dialects import postgresql as pg_dialect
-from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 import delivery.engine as engine_module
 from bench import pg
 from bench.target import SandboxProcess
 from bench.world import StatementCounter, apply, records, rule_entry
 from delivery import db
-from delivery.domain import Candidate, Outcome, Phase, Rule
+from delivery.domain import Phase
 from delivery.engine import Chain
-from delivery.errors import LedgerRowConflict
 from delivery.store import breaker as breaker_store
 from delivery.store import chains as chains_store
 from delivery.store import ledger as ledger_store
 from delivery.store.mirror import MirrorInput, load_records
-from delivery.store.tables import breaker_states, ledger, rules
 
 PROFILE_DATABASE = "delivery_bench_profile"
 VARIANTS = (
     "baseline",
     "memory-breaker",
-    "lean-breaker",
     "no-pre-ping",
-    "heartbeat-1s",
-    "settle-upsert",
-    "fence-share",
-    "all",
     "no-settle",
     "no-record-db",
 )
@@ -148,7 +130,7 @@ def instrument(buckets: Buckets) -> None:
     buckets.wrap(httpx.Client, "send", "http round trip")
     for attr in ("_get", "_set", "reset_counter", "_ensure_row"):
         buckets.wrap(breaker_store.DatabaseBreakerStorage, attr, "breaker storage")
-    buckets.wrap(LeanBreakerStorage, "reset_counter", "breaker storage")
+    buckets.wrap(chains_store, "holds_fence_for_settle", "fence check")
     buckets.wrap(chains_store, "holds_fence", "fence check")
     buckets.wrap(chains_store, "claim", "fence check")
     buckets.wrap(ledger_store, "settle", "settle")
@@ -164,48 +146,14 @@ def instrument(buckets: Buckets) -> None:
 # ------------------------------------------------------------------------------- the variants
 
 
-class LeanBreakerStorage(breaker_store.DatabaseBreakerStorage):
-    """After a success: read the counter, write only when it is not already 0."""
+class MemoryBreakerStorage(pybreaker.CircuitMemoryStorage):
+    """pybreaker's in-process storage, built the way the engine builds the database one."""
 
-    def reset_counter(self) -> None:
-        if self._get("fail_counter") != 0:
-            with self._engine.begin() as conn:
-                conn.execute(
-                    breaker_states.update()
-                    .where(breaker_states.c.connection_id == self._id, breaker_states.c.fail_counter != 0)
-                    .values(fail_counter=0)
-                )
+    def __init__(self, _engine: sa.Engine, _connection_id: int) -> None:
+        super().__init__(pybreaker.STATE_CLOSED)
 
-
-def _settle_upsert(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outcome, now: datetime) -> None:
-    if candidate.ledger is not None:
-        return _original_settle(conn, rule, candidate, outcome, now)
-    values = {
-        "rule_id": rule.id,
-        "record_id": candidate.record.id,
-        "status": outcome.status.value,
-        "remote_id": outcome.remote_id,
-        "attempts": outcome.attempts,
-        "next_attempt_at": outcome.next_attempt_at,
-        "last_error": outcome.last_error,
-        "settled_changed_at": candidate.record.changed_at,
-        "fingerprint": outcome.fingerprint,
-        "create_generation": outcome.create_generation,
-        "created_at": now,
-        "updated_at": now,
-    }
-    dialect = pg_dialect if conn.dialect.name == "postgresql" else sqlite_dialect
-    statement = (
-        dialect.insert(ledger)
-        .values(**values)
-        .on_conflict_do_nothing(index_elements=["rule_id", "record_id"])
-        .returning(ledger.c.id)
-    )
-    if conn.execute(statement).scalar() is None:
-        raise LedgerRowConflict(rule.name, candidate.record.external_id)
-
-
-_original_settle = ledger_store.settle
+    def observe(self, _row: Any) -> None:
+        """Nothing to refresh: the state is in this process."""
 
 
 @contextlib.contextmanager
@@ -213,62 +161,26 @@ def variant(name: str) -> Iterator[dict[str, Any]]:
     """Patch the engine for `name`; yields options for the engine the chain gets."""
     undo: list[Callable[[], None]] = []
     options: dict[str, Any] = {"pre_ping": True}
-    parts = {
-        "all": {"lean-breaker", "no-pre-ping", "heartbeat-1s", "settle-upsert", "fence-share"},
-        "no-record-db": {"no-settle", "memory-breaker"},
-    }.get(name, {name})
-    if "memory-breaker" in parts or "lean-breaker" in parts:
-        storage: Any = LeanBreakerStorage
-        if "memory-breaker" in parts:
-
-            def storage(_engine: sa.Engine, _id: int) -> pybreaker.CircuitBreakerStorage:
-                return pybreaker.CircuitMemoryStorage(pybreaker.STATE_CLOSED)
-
-        setattr(engine_module, "DatabaseBreakerStorage", storage)  # noqa: B010
+    parts = {"no-record-db": {"no-settle", "memory-breaker"}}.get(name, {name})
+    if "memory-breaker" in parts:
+        setattr(engine_module, "DatabaseBreakerStorage", MemoryBreakerStorage)  # noqa: B010
         undo.append(lambda: setattr(engine_module, "DatabaseBreakerStorage", breaker_store.DatabaseBreakerStorage))
     if "no-pre-ping" in parts:
         options["pre_ping"] = False
-    if "heartbeat-1s" in parts:
-        original = chains_store.heartbeat
-        last: dict[str, datetime] = {}
-
-        def heartbeat(conn: sa.Connection, token: str, now: datetime) -> None:
-            if token not in last or now - last[token] >= timedelta(seconds=1):
-                last[token] = now
-                original(conn, token, now)
-
-        chains_store.heartbeat = heartbeat
-        undo.append(lambda: setattr(chains_store, "heartbeat", original))
-    if "fence-share" in parts:
-        original_fence = chains_store.holds_fence
-
-        def holds_fence(conn: sa.Connection, rule_id: int, token: str) -> bool:
-            if conn.dialect.name != "postgresql":
-                return original_fence(conn, rule_id, token)
-            current = conn.execute(
-                sa.select(rules.c.chain_token).where(rules.c.id == rule_id).with_for_update(read=True)
-            ).scalar()
-            return bool(current == token)
-
-        chains_store.holds_fence = holds_fence
-        undo.append(lambda: setattr(chains_store, "holds_fence", original_fence))
     if "no-settle" in parts:
-        saved = (chains_store.holds_fence, ledger_store.settle, chains_store.heartbeat)
+        saved = (chains_store.holds_fence_for_settle, ledger_store.settle, chains_store.heartbeat)
 
         def skip(*_: Any) -> None:
             return None
 
-        setattr(chains_store, "holds_fence", lambda *_: True)  # noqa: B010
+        setattr(chains_store, "holds_fence_for_settle", lambda *_: (True, None))  # noqa: B010
         setattr(ledger_store, "settle", skip)  # noqa: B010
         setattr(chains_store, "heartbeat", skip)  # noqa: B010
 
         def restore() -> None:
-            chains_store.holds_fence, ledger_store.settle, chains_store.heartbeat = saved
+            chains_store.holds_fence_for_settle, ledger_store.settle, chains_store.heartbeat = saved
 
         undo.append(restore)
-    if "settle-upsert" in parts:
-        ledger_store.settle = _settle_upsert
-        undo.append(lambda: setattr(ledger_store, "settle", _original_settle))
     try:
         yield options
     finally:
@@ -283,7 +195,7 @@ def make_engine(url: str, pre_ping: bool) -> sa.Engine:
     engine = db.create_engine(url)
     if url.startswith("postgresql") and not pre_ping:
         engine.dispose()
-        engine = sa.create_engine(url, pool_pre_ping=False)
+        engine = sa.create_engine(url, pool_pre_ping=False, **db.POOL_OPTIONS)
     return engine
 
 

@@ -45,14 +45,21 @@ def _sqlite_begin(conn: sa.Connection) -> None:
     conn.exec_driver_sql("BEGIN" if readonly else "BEGIN IMMEDIATE")
 
 
+#: Each of a batch's workers holds a connection for the batch (a rule's `concurrency` is at most
+#: 64), and breaker writes and the cursor move take their own: the pool must not make them wait.
+POOL_OPTIONS = {"pool_size": 10, "max_overflow": 64}
+
+
 def create_engine(url: str | None = None) -> sa.Engine:
     url = url or database_url()
     if url.startswith("sqlite"):
-        engine = sa.create_engine(url, connect_args={"check_same_thread": False})
+        in_memory = sa.make_url(url).database in (None, "", ":memory:")  # one connection, no pool to size
+        pool = {} if in_memory else POOL_OPTIONS
+        engine = sa.create_engine(url, connect_args={"check_same_thread": False}, **pool)
         sa.event.listen(engine, "connect", _on_sqlite_connect)
         sa.event.listen(engine, "begin", _sqlite_begin)
         return engine
-    return sa.create_engine(url, pool_pre_ping=True)
+    return sa.create_engine(url, pool_pre_ping=True, **POOL_OPTIONS)
 
 
 def migrations_dir() -> Path:

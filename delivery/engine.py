@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -52,6 +53,9 @@ from delivery.writers.base import Creates, Updates, Writer, token_for
 from delivery.writers.registry import find_writer
 
 log = logging.getLogger(__name__)
+
+#: At most this often a settle also writes the chain's heartbeat (every job writes it as it starts).
+HEARTBEAT_SECONDS = 1.0
 
 #: Faults about one record that must not count against the target's breaker.
 _NOT_THE_TARGETS_FAULT = (RecordRejected, RemoteGone, Unaddressable)
@@ -115,6 +119,7 @@ class Chain:
         self._writer: Writer | None = None
         self._breaker: pybreaker.CircuitBreaker | None = None
         self._secret: str | None = None
+        self._beat_at = time.monotonic()
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -173,7 +178,7 @@ class Chain:
                 self._scan_from = ledger.scan_start(dataclasses.replace(rule, cursor=cursor))
             elif not chains.holds_fence(conn, rule.id, self.token):
                 return self._superseded(report)
-            chains.heartbeat(conn, self.token, self.clock())
+            self._heartbeat(conn, every=0)
             if phase is Phase.DRAIN:
                 candidates = ledger.drain_page(conn, rule, self.started_at, rule.batch_size)
             else:
@@ -202,7 +207,7 @@ class Chain:
                 if not chains.holds_fence(conn, rule.id, self.token):
                     return self._superseded(report)
                 report.cursor_after = chains.move_cursor(conn, rule.id, highest)
-                chains.heartbeat(conn, self.token, self.clock())
+                self._heartbeat(conn, every=0)
         self.report.add(report)
         return report
 
@@ -221,26 +226,34 @@ class Chain:
 
         def worker(breaker: pybreaker.CircuitBreaker) -> None:
             try:
-                while not stop.is_set():
-                    with take:
-                        index = next(pending, None)
-                    if index is None:
-                        return
-                    candidate = candidates[index]
-                    self._check(candidate, phase)
-                    outcome = self._deliver(candidate, breaker)
-                    if outcome is None:
-                        ended.append(ChainEnd.BREAKER_OPEN)
-                        stop.set()
-                        return
-                    with self.engine.begin() as conn:
-                        if not chains.holds_fence(conn, self.rule.id, self.token):
-                            ended.append(ChainEnd.SUPERSEDED)
+                # One connection per worker for the whole batch, a transaction per record: a
+                # checkout per record would cost a pool round trip (and a pre-ping) each time.
+                with self.engine.connect() as conn:
+                    while not stop.is_set():
+                        with take:
+                            index = next(pending, None)
+                        if index is None:
+                            return
+                        candidate = candidates[index]
+                        self._check(candidate, phase)
+                        outcome = self._deliver(candidate, breaker)
+                        if outcome is None:
+                            ended.append(ChainEnd.BREAKER_OPEN)
                             stop.set()
                             return
-                        ledger.settle(conn, self.rule, candidate, outcome, self.clock())
-                        chains.heartbeat(conn, self.token, self.clock())
-                    settled[index] = outcome.status
+                        with conn.begin():
+                            held, breaker_row = chains.holds_fence_for_settle(
+                                conn, self.rule.id, self.token, self.rule.target.id
+                            )
+                            if not held:
+                                ended.append(ChainEnd.SUPERSEDED)
+                                stop.set()
+                                return
+                            ledger.settle(conn, self.rule, candidate, outcome, self.clock())
+                            self._heartbeat(conn)
+                        if isinstance(storage := breaker._state_storage, DatabaseBreakerStorage):
+                            storage.observe(breaker_row)
+                        settled[index] = outcome.status
             except BaseException as exc:
                 errors.append(exc)
                 stop.set()
@@ -261,6 +274,15 @@ class Chain:
         if errors:
             raise errors[0]
         return settled, (ChainEnd.SUPERSEDED if ChainEnd.SUPERSEDED in ended else (ended[0] if ended else None))
+
+    def _heartbeat(self, conn: sa.Connection, *, every: float = HEARTBEAT_SECONDS) -> None:
+        """The chain's heartbeat, written with a settle at most every `every` seconds: the tick and
+        the lock's dead-holder check judge in minutes, and a write per record would make the one
+        chain row every worker's settle updates a queue of its own."""
+        now = time.monotonic()
+        if now - self._beat_at >= every:
+            self._beat_at = now
+            chains.heartbeat(conn, self.token, self.clock())
 
     def _superseded(self, report: BatchReport) -> BatchReport:
         report.ended_by = ChainEnd.SUPERSEDED

@@ -2,7 +2,8 @@
 
 The rule lock (a Prefect concurrency slot) can outlive the process that took it: the embedded
 Prefect API runs no lease repossessor, and keeps leases in memory. Our own records say who holds
-it (host, pid, heartbeat per record), so a waiter can judge the holder and free the rule.
+it (host, pid, a heartbeat at each job and about once a second while it settles records), so a
+waiter can judge the holder and free the rule.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ fail_max times per worker)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -13,16 +15,37 @@ from sqlalchemy.exc import IntegrityError
 
 from delivery.store.tables import breaker_states
 
+#: How long a row the engine read alongside a settle stands in for a read of our own.
+SNAPSHOT_SECONDS = 1.0
+
 
 class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
-    """Every read and write is its own short transaction: the breaker must see what other
-    processes did a moment ago, never a snapshot."""
+    """Every write is its own short transaction, so other processes see a failure or a trip at once.
+
+    A read is its own transaction too, unless the engine has just read the row for us: it reads the
+    breaker row in the same statement as each record's fence check and hands it to `observe`, and
+    pybreaker's reads before and after the next call use that row instead of two round trips of
+    their own (they cost as much as the settle itself). The row is dropped at our next write, and
+    after `SNAPSHOT_SECONDS`; a trip by another process is therefore seen one record later, the
+    same race that exists anyway between reading the state and making the call."""
 
     def __init__(self, engine: sa.Engine, connection_id: int) -> None:
         super().__init__(f"connection-{connection_id}")
         self._engine = engine
         self._id = connection_id
+        self._snapshot: Mapping[str, Any] | None = None
+        self._snapshot_at = 0.0
         self._ensure_row()
+
+    def observe(self, row: Mapping[str, Any] | None) -> None:
+        """The breaker row as a transaction of the engine's just read it."""
+        self._snapshot = row
+        self._snapshot_at = time.monotonic()
+
+    def _fresh(self) -> Mapping[str, Any] | None:
+        if self._snapshot is not None and time.monotonic() - self._snapshot_at < SNAPSHOT_SECONDS:
+            return self._snapshot
+        return None
 
     def _ensure_row(self) -> None:
         with self._engine.begin() as conn:
@@ -45,12 +68,16 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
                     pass  # another process created it first: the same row serves us both
 
     def _get(self, column: str) -> Any:
+        snapshot = self._fresh()
+        if snapshot is not None:
+            return snapshot[column]
         with self._engine.connect().execution_options(readonly=True) as conn:
             return conn.execute(
                 sa.select(breaker_states.c[column]).where(breaker_states.c.connection_id == self._id)
             ).scalar_one()
 
     def _set(self, **values: Any) -> None:
+        self._snapshot = None
         with self._engine.begin() as conn:
             conn.execute(breaker_states.update().where(breaker_states.c.connection_id == self._id).values(**values))
 
@@ -66,7 +93,12 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         self._set(fail_counter=breaker_states.c.fail_counter + 1)
 
     def reset_counter(self) -> None:
-        # Called after every success: a conditional write keeps the common case a cheap no-op.
+        # Called after every success: with a fresh row showing no failures there is nothing to
+        # write; otherwise a conditional write keeps it cheap.
+        snapshot = self._fresh()
+        if snapshot is not None and snapshot["fail_counter"] == 0:
+            return
+        self._snapshot = None
         with self._engine.begin() as conn:
             conn.execute(
                 breaker_states.update()

@@ -102,8 +102,15 @@ def drain_page(conn: sa.Connection, rule: Rule, due_by: datetime, limit: int) ->
     return [_candidate(row) for row in conn.execute(query)]
 
 
+#: Built once: the settle runs once per record, and building a statement costs more Python than
+#: the database spends running it.
+_INSERT = ledger.insert()
+_UPDATE = ledger.update().where(ledger.c.id == sa.bindparam("row_id"))
+
+
 def settle(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outcome, now: datetime) -> None:
-    """Write one record's outcome. The change signal it settles is the one the candidate carried."""
+    """Write one record's outcome. The change signal it settles is the one the candidate carried.
+    Run in the transaction of the fence check that guards it."""
     values = {
         "status": outcome.status.value,
         "remote_id": outcome.remote_id,
@@ -117,14 +124,13 @@ def settle(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outco
     }
     if candidate.ledger is None:
         try:
-            with conn.begin_nested():
-                conn.execute(
-                    ledger.insert().values(rule_id=rule.id, record_id=candidate.record.id, created_at=now, **values)
-                )
+            conn.execute(_INSERT, {"rule_id": rule.id, "record_id": candidate.record.id, "created_at": now, **values})
         except IntegrityError as exc:
+            # The scan said there was no row: one that exists all the same is an invariant broken,
+            # not a row to overwrite. The whole transaction goes with it (nothing else is in it).
             raise LedgerRowConflict(rule.name, candidate.record.external_id) from exc
     else:
-        conn.execute(ledger.update().where(ledger.c.id == candidate.ledger.id).values(**values))
+        conn.execute(_UPDATE, {"row_id": candidate.ledger.id, **values})
 
 
 def settled_since(conn: sa.Connection, rule_id: int, since: datetime) -> int:

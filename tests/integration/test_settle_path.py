@@ -1,0 +1,204 @@
+"""The per-record path's shortcuts keep the semantics: the breaker row read with each settle stands in
+for the breaker's own reads, a trip elsewhere is seen one record later, the heartbeat still moves
+during a long batch, and on PostgreSQL settles share the fence while a supersede still waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime
+from typing import Any
+
+import pybreaker
+import pytest
+import sqlalchemy as sa
+
+from delivery import db
+from delivery import engine as engine_module
+from delivery.clock import utcnow
+from delivery.domain import ChainEnd, Phase
+from delivery.engine import Chain, make_breaker
+from delivery.errors import TargetUnavailable
+from delivery.store import chains
+from delivery.store.breaker import DatabaseBreakerStorage
+from tests.integration.world import RULE, World
+from tests.target_server import TargetServer
+
+
+@pytest.fixture
+def world(engine: sa.Engine, target: TargetServer) -> World:
+    return World(engine, target).apply()
+
+
+class Statements:
+    """Counts the SQL statements an engine sends."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.count = 0
+
+    def _seen(self, *_: Any) -> None:
+        self.count += 1
+
+    def __enter__(self) -> Statements:
+        sa.event.listen(self.engine, "before_cursor_execute", self._seen)
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        sa.event.remove(self.engine, "before_cursor_execute", self._seen)
+
+
+def _fail() -> None:
+    raise TargetUnavailable("down")
+
+
+def test_a_breaker_row_read_with_a_settle_stands_in_for_the_breakers_reads(world: World) -> None:
+    rule = Chain(world.engine, RULE).rule
+    breaker = make_breaker(world.engine, rule)
+    storage = breaker._state_storage
+    assert isinstance(storage, DatabaseBreakerStorage)
+    with world.engine.begin() as conn:
+        held, row = chains.holds_fence_for_settle(conn, rule.id, "not-the-token", rule.target.id)
+    assert not held and row is not None and row["state"] == "closed" and row["fail_counter"] == 0
+    storage.observe(row)
+    with Statements(world.engine) as seen:
+        assert breaker.call(lambda: 42) == 42
+    assert seen.count == 0  # state read and counter reset both answered by the row: no round trip
+
+    with Statements(world.engine) as seen, pytest.raises(TargetUnavailable):
+        breaker.call(_fail)
+    assert seen.count > 0  # a failure is written at once, for every other process to see
+    with Statements(world.engine) as seen:
+        assert breaker.fail_counter == 1
+    assert seen.count >= 1  # ...and our write dropped the row: the next read is the database's
+
+
+def test_an_observed_row_goes_stale_after_a_second(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    import delivery.store.breaker as breaker_module
+
+    rule = Chain(world.engine, RULE).rule
+    storage = DatabaseBreakerStorage(world.engine, rule.target.id)
+    storage.observe({"state": "open", "fail_counter": 3, "success_counter": 0, "opened_at": None})
+    assert storage.state == "open"
+    monkeypatch.setattr(breaker_module, "SNAPSHOT_SECONDS", 0.0)
+    assert storage.state == "closed"  # what the database says
+
+
+def test_a_breaker_tripped_by_another_process_mid_batch_stops_the_next_record(world: World, db_url: str) -> None:
+    world.load(*[f"r{n}" for n in range(6)])
+    other_engine = db.create_engine(db_url)  # another worker process delivering to the same target
+    try:
+        chain = Chain(world.engine, RULE)
+        theirs = pybreaker.CircuitBreaker(
+            fail_max=1,
+            reset_timeout=60,
+            state_storage=DatabaseBreakerStorage(other_engine, chain.rule.target.id),
+            throw_new_error_on_trip=False,
+        )
+        assert chain.open() is None
+        assert chain._writer is not None
+        real_create = chain._writer.create  # type: ignore[attr-defined]
+        calls: list[str] = []
+
+        def create(body: dict[str, Any], key: str) -> str:
+            calls.append(key)
+            if len(calls) == 2:
+                with pytest.raises(TargetUnavailable):
+                    theirs.call(_fail)  # the other process's failure trips the shared breaker
+            return str(real_create(body, key))
+
+        chain._writer.create = create  # type: ignore[attr-defined]
+        report = chain.run_batch(Phase.SCAN)
+        chain.finish()
+    finally:
+        other_engine.dispose()
+    # Record 2 was already on the wire; the row read with its settle shows the trip, and record 3
+    # is not sent.
+    assert report.ended_by is ChainEnd.BREAKER_OPEN and report.attempted == 2 and len(calls) == 2
+    assert len(world.ledger()) == 2
+
+
+def test_the_heartbeat_moves_during_a_long_batch_but_not_per_record(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    beats: list[float] = []
+    real_heartbeat = chains.heartbeat
+
+    def heartbeat(conn: sa.Connection, token: str, now: datetime) -> None:
+        beats.append(time.monotonic())
+        real_heartbeat(conn, token, now)
+
+    monkeypatch.setattr(chains, "heartbeat", heartbeat)
+    world.load(*[f"r{n}" for n in range(8)])
+    world.target.latency_ms = 300  # eight records: a batch of about 2.4 s
+    chain = Chain(world.engine, RULE)
+    assert chain.open() is None
+    started = time.monotonic()
+    report = chain.run_batch(Phase.SCAN)
+    ended = time.monotonic()
+    chain.finish()
+    assert report.attempted == 8
+    during = [t for t in beats if started < t < ended]
+    # One as the job starts, one as the cursor moves, and one with a settle each second between.
+    assert len(during) >= 4
+    assert len(during) <= 2 + int(ended - started) + 1
+    with world.engine.connect() as conn:
+        row = conn.execute(sa.select(chains.chains.c.heartbeat_at).where(chains.chains.c.token == chain.token)).one()
+    assert (utcnow() - row.heartbeat_at).total_seconds() < 60
+
+
+def test_a_fast_batch_writes_the_heartbeat_as_the_job_starts_and_ends(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    count = 0
+    real_heartbeat = chains.heartbeat
+
+    def heartbeat(conn: sa.Connection, token: str, now: datetime) -> None:
+        nonlocal count
+        count += 1
+        real_heartbeat(conn, token, now)
+
+    monkeypatch.setattr(chains, "heartbeat", heartbeat)
+    monkeypatch.setattr(engine_module, "HEARTBEAT_SECONDS", 3600.0)
+    world.load(*[f"r{n}" for n in range(10)])
+    chain = Chain(world.engine, RULE)
+    assert chain.open() is None
+    assert chain.run_batch(Phase.SCAN).attempted == 10
+    chain.finish()
+    assert count == 2  # not one per record
+
+
+@pytest.mark.postgres
+def test_on_postgresql_settles_share_the_fence_and_a_supersede_waits_for_them(world: World, db_url: str) -> None:
+    if not db_url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer: its write transaction is the fence")
+    world.load("a")
+    chain = Chain(world.engine, RULE)
+    assert chain.open() is None
+    assert chain.run_batch(Phase.SCAN).attempted == 1  # the chain has claimed the rule
+    rule = chain.rule
+    with world.engine.connect() as first:
+        first.begin()
+        assert chains.holds_fence_for_settle(first, rule.id, chain.token, rule.target.id)[0]
+        with world.engine.connect() as second:
+            second.begin()
+            second.exec_driver_sql("SET LOCAL lock_timeout = '500ms'")
+            # Another worker's settle is not kept waiting...
+            assert chains.holds_fence_for_settle(second, rule.id, chain.token, rule.target.id)[0]
+            second.rollback()
+        superseded = threading.Event()
+
+        def supersede() -> None:
+            with world.engine.begin() as conn:
+                chains.supersede(conn, rule.id, chain.token, utcnow(), "judged dead")
+            superseded.set()
+
+        thread = threading.Thread(target=supersede)
+        thread.start()
+        # ...but a supersede is, until the settle in flight commits.
+        assert not superseded.wait(1.0)
+        first.commit()
+        assert superseded.wait(10.0)
+        thread.join()
+    assert chain.run_batch(Phase.SCAN).ended_by is ChainEnd.SUPERSEDED
+    chain.finish()
