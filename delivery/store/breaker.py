@@ -38,7 +38,7 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         self._ensure_row()
 
     def observe(self, row: Mapping[str, Any] | None) -> None:
-        """The breaker row as a transaction of the engine's just read it."""
+        """Take `row`, just read in one of the engine's transactions, as the current state."""
         self._snapshot = row
         self._snapshot_at = time.monotonic()
 
