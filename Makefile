@@ -39,7 +39,7 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/delivery serve
 
-## The benchmark (docs/performance.md): engine vs bare httpx vs naive Prefect, mirror sizes. ~15 min.
+## The benchmark (docs/performance.md): engine vs bare httpx vs naive Prefect, mirror sizes. ~8-20 min.
 bench: $(STAMP)
 	$(BIN)/python -m bench.run $(ARGS)
 

@@ -19,8 +19,8 @@ not proposals to ship as they are (see docs/performance.md for which keep the se
   memory-breaker        pybreaker's in-process storage (an upper bound: the breaker costs nothing;
                         it would no longer be shared between processes)
   no-pre-ping           PostgreSQL pool without pool_pre_ping
-  no-settle             ceiling, not a design: no fence check, no ledger write, no heartbeat per record
-  no-record-db          ceiling, not a design: no-settle + memory-breaker (no database work per record)
+  no-record-db          ceiling, not a design: memory-breaker, and no fence check, ledger write or
+                        heartbeat per record (no database work per record at all)
 """
 
 from __future__ import annotations
@@ -64,7 +64,6 @@ VARIANTS = (
     "baseline",
     "memory-breaker",
     "no-pre-ping",
-    "no-settle",
     "no-record-db",
 )
 

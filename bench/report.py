@@ -58,6 +58,45 @@ def _ratio(entry: Any) -> str:
     return f"{entry['ratio']:.2f}" if isinstance(entry, dict) and "ratio" in entry else "-"
 
 
+def cost_rows(results: dict[str, Any]) -> list[list[str]]:
+    """Where an engine chain's time goes: a row per database for the empty chain and per concurrency."""
+    rows = []
+    for label in ("sqlite", "postgresql"):
+        empty = results.get("empty_chain", {}).get(label)
+        if empty:
+            rows.append(
+                [
+                    label,
+                    "empty chain",
+                    f"{empty['seconds']:.2f}",
+                    str(empty["batches"]),
+                    f"{empty['engine_work_s']:.2f}",
+                    f"{empty['lock_s']:.2f}",
+                    f"{empty['prefect_other_s']:.2f}",
+                    "-",
+                    "-",
+                ]
+            )
+        for row in results["throughput"]:
+            entry = row.get(label)
+            if isinstance(entry, dict) and "split" in entry:
+                split = entry["split"]
+                rows.append(
+                    [
+                        label,
+                        str(row["concurrency"]),
+                        f"{entry['seconds']:.1f}",
+                        str(split["batches"]),
+                        f"{split['engine_work_s']:.1f}",
+                        f"{split['lock_s']:.2f}",
+                        f"{split['prefect_other_s']:.2f}",
+                        f"{entry['statements_per_record']:.2f}",
+                        f"{entry['commits_per_record']:.2f}",
+                    ]
+                )
+    return rows
+
+
 def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     versions = meta["versions"]
@@ -88,40 +127,7 @@ def markdown(results: dict[str, Any]) -> str:
         ),
         "",
     ]
-    split_rows = []
-    for label in ("sqlite", "postgresql"):
-        empty = results.get("empty_chain", {}).get(label)
-        if empty:
-            split_rows.append(
-                [
-                    label,
-                    "empty chain",
-                    f"{empty['seconds']:.2f}",
-                    str(empty["batches"]),
-                    f"{empty['engine_work_s']:.2f}",
-                    f"{empty['lock_s']:.2f}",
-                    f"{empty['prefect_other_s']:.2f}",
-                    "-",
-                    "-",
-                ]
-            )
-        for row in results["throughput"]:
-            entry = row.get(label)
-            if isinstance(entry, dict) and "split" in entry:
-                split = entry["split"]
-                split_rows.append(
-                    [
-                        label,
-                        str(row["concurrency"]),
-                        f"{entry['seconds']:.1f}",
-                        str(split["batches"]),
-                        f"{split['engine_work_s']:.1f}",
-                        f"{split['lock_s']:.2f}",
-                        f"{split['prefect_other_s']:.2f}",
-                        f"{entry['statements_per_record']:.2f}",
-                        f"{entry['commits_per_record']:.2f}",
-                    ]
-                )
+    split_rows = cost_rows(results)
     if split_rows:
         header = ["database", "concurrency", "chain s", "batches", "engine work s", "rule lock s", "Prefect other s"]
         parts += [_table([*header, "SQL/record", "commits/record"], split_rows), ""]

@@ -54,7 +54,7 @@ from rich.table import Table
 
 from bench import bare, mirror, naive, pg
 from bench.cpu import CpuMeter
-from bench.report import bare_text
+from bench.report import THROUGHPUT_HEADER, bare_text, cost_rows
 from bench.target import SandboxProcess
 from bench.world import StatementCounter, apply, records, rule_entry, use_database
 from delivery import db
@@ -468,16 +468,7 @@ def render(results: dict[str, Any], console: Console) -> None:
         f"SQLite {meta['sqlite']}; sandbox latency {meta['latency_ms']} ms, batch_size {meta['batch_size']}"
     )
     table = Table(title=f"Throughput, records/s ({meta['records']:,} creates; naive: {meta['naive_records']:,})")
-    for column in (
-        "concurrency",
-        "bare httpx (before/after)",
-        "engine SQLite",
-        "SQLite/bare",
-        "engine PostgreSQL",
-        "PG/bare",
-        "naive Prefect",
-        "naive/bare",
-    ):
+    for column in THROUGHPUT_HEADER:
         table.add_column(column, justify="right")
     for row in results["throughput"]:
         table.add_row(
@@ -505,35 +496,8 @@ def render(results: dict[str, Any], console: Console) -> None:
         "commits/record",
     ):
         cost.add_column(column, justify="right")
-    for label in ("sqlite", "postgresql"):
-        empty = results["empty_chain"].get(label)
-        if empty:
-            cost.add_row(
-                label,
-                "empty chain",
-                f"{empty['seconds']:.2f}",
-                str(empty["batches"]),
-                f"{empty['engine_work_s']:.2f}",
-                f"{empty['lock_s']:.2f}",
-                f"{empty['prefect_other_s']:.2f}",
-                "-",
-                "-",
-            )
-        for row in results["throughput"]:
-            entry = row.get(label)
-            if isinstance(entry, dict) and "split" in entry:
-                split = entry["split"]
-                cost.add_row(
-                    label,
-                    str(row["concurrency"]),
-                    f"{entry['seconds']:.2f}",
-                    str(split["batches"]),
-                    f"{split['engine_work_s']:.2f}",
-                    f"{split['lock_s']:.2f}",
-                    f"{split['prefect_other_s']:.2f}",
-                    f"{entry['statements_per_record']:.2f}",
-                    f"{entry['commits_per_record']:.2f}",
-                )
+    for cost_row in cost_rows(results):
+        cost.add_row(*cost_row)
     console.print(cost)
 
     cpu = Table(title="Where the CPU went (machine busy = all cores; ms of CPU per record)")
