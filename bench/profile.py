@@ -151,7 +151,7 @@ class MemoryBreakerStorage(pybreaker.CircuitMemoryStorage):
     def __init__(self, _engine: sa.Engine, _connection_id: int) -> None:
         super().__init__(pybreaker.STATE_CLOSED)
 
-    def observe(self, _row: Any) -> None:
+    def observe(self, _conn: sa.Connection, _row: Any) -> None:
         """Nothing to refresh: the state is in this process."""
 
 

@@ -45,15 +45,18 @@ def _sqlite_begin(conn: sa.Connection) -> None:
     conn.exec_driver_sql("BEGIN" if readonly else "BEGIN IMMEDIATE")
 
 
-#: Each of a batch's workers holds a connection for the batch (a rule's `concurrency` is at most
-#: 64), and breaker writes and the cursor move take their own: the pool must not make them wait.
+#: A batch's workers settle in parallel (a rule's `concurrency` is at most 64), each on a
+#: connection of its own: the pool keeps enough to spare them a new connection per record, and
+#: must never make them wait.
 POOL_OPTIONS = {"pool_size": 10, "max_overflow": 64}
 
 
 def create_engine(url: str | None = None) -> sa.Engine:
     url = url or database_url()
     if url.startswith("sqlite"):
-        in_memory = sa.make_url(url).database in (None, "", ":memory:")  # one connection, no pool to size
+        parsed = sa.make_url(url)
+        # An in-memory database lives in one connection: there is no pool to size.
+        in_memory = parsed.database in (None, "", ":memory:") or parsed.query.get("mode") == "memory"
         pool = {} if in_memory else POOL_OPTIONS
         engine = sa.create_engine(url, connect_args={"check_same_thread": False}, **pool)
         sa.event.listen(engine, "connect", _on_sqlite_connect)

@@ -226,34 +226,33 @@ class Chain:
 
         def worker(breaker: pybreaker.CircuitBreaker) -> None:
             try:
-                # One connection per worker for the whole batch, a transaction per record: a
-                # checkout per record would cost a pool round trip (and a pre-ping) each time.
-                with self.engine.connect() as conn:
-                    while not stop.is_set():
-                        with take:
-                            index = next(pending, None)
-                        if index is None:
-                            return
-                        candidate = candidates[index]
-                        self._check(candidate, phase)
-                        outcome = self._deliver(candidate, breaker)
-                        if outcome is None:
-                            ended.append(ChainEnd.BREAKER_OPEN)
+                while not stop.is_set():
+                    with take:
+                        index = next(pending, None)
+                    if index is None:
+                        return
+                    candidate = candidates[index]
+                    self._check(candidate, phase)
+                    outcome = self._deliver(candidate, breaker)
+                    if outcome is None:
+                        ended.append(ChainEnd.BREAKER_OPEN)
+                        stop.set()
+                        return
+                    # A checkout per record, not a connection held for the batch: no connection
+                    # waits through HTTP calls, and the pool's pre-ping guards every settle.
+                    with self.engine.begin() as conn:
+                        held, breaker_row = chains.holds_fence_for_settle(
+                            conn, self.rule.id, self.token, self.rule.target.id
+                        )
+                        if isinstance(storage := breaker._state_storage, DatabaseBreakerStorage):
+                            storage.observe(conn, breaker_row)
+                        if not held:
+                            ended.append(ChainEnd.SUPERSEDED)
                             stop.set()
                             return
-                        with conn.begin():
-                            held, breaker_row = chains.holds_fence_for_settle(
-                                conn, self.rule.id, self.token, self.rule.target.id
-                            )
-                            if not held:
-                                ended.append(ChainEnd.SUPERSEDED)
-                                stop.set()
-                                return
-                            ledger.settle(conn, self.rule, candidate, outcome, self.clock())
-                            self._heartbeat(conn)
-                        if isinstance(storage := breaker._state_storage, DatabaseBreakerStorage):
-                            storage.observe(breaker_row)
-                        settled[index] = outcome.status
+                        ledger.settle(conn, self.rule, candidate, outcome, self.clock())
+                        self._heartbeat(conn)
+                    settled[index] = outcome.status
             except BaseException as exc:
                 errors.append(exc)
                 stop.set()
@@ -275,12 +274,12 @@ class Chain:
             raise errors[0]
         return settled, (ChainEnd.SUPERSEDED if ChainEnd.SUPERSEDED in ended else (ended[0] if ended else None))
 
-    def _heartbeat(self, conn: sa.Connection, *, every: float = HEARTBEAT_SECONDS) -> None:
-        """The chain's heartbeat, written with a settle at most every `every` seconds: the tick and
-        the lock's dead-holder check judge in minutes, and a write per record would make the one
-        chain row every worker's settle updates a queue of its own."""
+    def _heartbeat(self, conn: sa.Connection, *, every: float | None = None) -> None:
+        """The chain's heartbeat, written with a settle at most every `HEARTBEAT_SECONDS`: the tick
+        and the lock's dead-holder check judge in minutes, and a write per record would make the
+        one chain row every worker's settle updates a queue of its own."""
         now = time.monotonic()
-        if now - self._beat_at >= every:
+        if now - self._beat_at >= (HEARTBEAT_SECONDS if every is None else every):
             self._beat_at = now
             chains.heartbeat(conn, self.token, self.clock())
 

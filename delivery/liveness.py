@@ -21,8 +21,8 @@ from delivery.clock import utcnow
 from delivery.store import chains
 
 #: A holder whose heartbeat is older than this is dead, wherever it runs. Heartbeats are written
-#: per record, so a live holder is never silent longer than one write (bounded by the target's
-#: timeout, which is added on top).
+#: as each job starts and about once a second with its settles, so a live holder is never silent
+#: much longer than one write (bounded by the target's timeout, which is added on top).
 STALE_HOLDER_SECONDS = 120.0
 
 

@@ -38,8 +38,9 @@ class TickPlan:
 
 
 def plan_tick(conn: sa.Connection, now: datetime, threshold: timedelta) -> TickPlan:
-    """A chain is alive while it has not ended and its heartbeat (written per batch and per
-    record, and at launch for a run still waiting for a worker) is younger than `threshold`."""
+    """A chain is alive while it has not ended and its heartbeat (written as each job starts, about
+    once a second while it settles records, and at launch for a run still waiting for a worker) is
+    younger than `threshold`."""
     plan = TickPlan()
     for rule in catalog.list_rules(conn):
         if not rule.enabled:

@@ -18,16 +18,23 @@ from delivery.store.tables import breaker_states
 #: How long a row the engine read alongside a settle stands in for a read of our own.
 SNAPSHOT_SECONDS = 1.0
 
+_RESET = (
+    breaker_states.update()
+    .where(breaker_states.c.connection_id == sa.bindparam("id"), breaker_states.c.fail_counter != 0)
+    .values(fail_counter=0)
+)
+
 
 class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
     """Every write is its own short transaction, so other processes see a failure or a trip at once.
 
     A read is its own transaction too, unless the engine has just read the row for us: it reads the
     breaker row in the same statement as each record's fence check and hands it to `observe`, and
-    pybreaker's reads before and after the next call use that row instead of two round trips of
-    their own (they cost as much as the settle itself). The row is dropped at our next write, and
-    after `SNAPSHOT_SECONDS`; a trip by another process is therefore seen one record later, the
-    same race that exists anyway between reading the state and making the call."""
+    pybreaker's reads before and after the next call use that row instead of round trips of their
+    own (they cost as much as the settle itself), while the reset after a success waits for that
+    next read. The row is dropped at our next write, and after `SNAPSHOT_SECONDS`; a trip by
+    another process is therefore seen one record later, the same race that exists anyway between
+    reading the state and making the call."""
 
     def __init__(self, engine: sa.Engine, connection_id: int) -> None:
         super().__init__(f"connection-{connection_id}")
@@ -35,10 +42,18 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         self._id = connection_id
         self._snapshot: Mapping[str, Any] | None = None
         self._snapshot_at = 0.0
+        self._reset_due = False
         self._ensure_row()
 
-    def observe(self, row: Mapping[str, Any] | None) -> None:
-        """Take `row`, just read in one of the engine's transactions, as the current state."""
+    def observe(self, conn: sa.Connection, row: Mapping[str, Any] | None) -> None:
+        """Take `row`, just read in the engine's transaction `conn`, as the current state; and write
+        there the reset a success since the last row put off, if the row shows failures (made by
+        other workers or processes in the meantime: a success must clear them, as pybreaker's
+        consecutive-failure count wants)."""
+        if row is not None and self._reset_due and row["fail_counter"] != 0:
+            conn.execute(_RESET, {"id": self._id})
+            row = {**row, "fail_counter": 0}
+        self._reset_due = False
         self._snapshot = row
         self._snapshot_at = time.monotonic()
 
@@ -78,6 +93,7 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
 
     def _set(self, **values: Any) -> None:
         self._snapshot = None
+        self._reset_due = False
         with self._engine.begin() as conn:
             conn.execute(breaker_states.update().where(breaker_states.c.connection_id == self._id).values(**values))
 
@@ -93,18 +109,15 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         self._set(fail_counter=breaker_states.c.fail_counter + 1)
 
     def reset_counter(self) -> None:
-        # Called after every success: with a fresh row showing no failures there is nothing to
-        # write; otherwise a conditional write keeps it cheap.
-        snapshot = self._fresh()
-        if snapshot is not None and snapshot["fail_counter"] == 0:
+        # Called after every success. With a fresh row the reset is put off to the engine's next
+        # read of the row (`observe`, in the transaction that settles this record), which writes
+        # it only if there are failures to clear: no write transaction per success.
+        if self._fresh() is not None:
+            self._reset_due = True
             return
         self._snapshot = None
         with self._engine.begin() as conn:
-            conn.execute(
-                breaker_states.update()
-                .where(breaker_states.c.connection_id == self._id, breaker_states.c.fail_counter != 0)
-                .values(fail_counter=0)
-            )
+            conn.execute(_RESET, {"id": self._id})
 
     def increment_success_counter(self) -> None:
         self._set(success_counter=breaker_states.c.success_counter + 1)

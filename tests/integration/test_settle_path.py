@@ -52,19 +52,37 @@ def _fail() -> None:
     raise TargetUnavailable("down")
 
 
-def test_a_breaker_row_read_with_a_settle_stands_in_for_the_breakers_reads(world: World) -> None:
+def _observed(world: World, storage: DatabaseBreakerStorage) -> None:
+    """What the engine does in each settle: read the row with the fence check, hand it over."""
     rule = Chain(world.engine, RULE).rule
-    breaker = make_breaker(world.engine, rule)
+    with world.engine.begin() as conn:
+        _held, row = chains.holds_fence_for_settle(conn, rule.id, "any-token", rule.target.id)
+        storage.observe(conn, row)
+
+
+def _breaker(engine: sa.Engine, world: World, fail_max: int = 3) -> pybreaker.CircuitBreaker:
+    return pybreaker.CircuitBreaker(
+        fail_max=fail_max,
+        reset_timeout=60,
+        state_storage=DatabaseBreakerStorage(engine, Chain(world.engine, RULE).rule.target.id),
+        throw_new_error_on_trip=False,
+    )
+
+
+def _storage(breaker: pybreaker.CircuitBreaker) -> DatabaseBreakerStorage:
     storage = breaker._state_storage
     assert isinstance(storage, DatabaseBreakerStorage)
-    with world.engine.begin() as conn:
-        held, row = chains.holds_fence_for_settle(conn, rule.id, "not-the-token", rule.target.id)
-    assert not held and row is not None and row["state"] == "closed" and row["fail_counter"] == 0
-    storage.observe(row)
+    return storage
+
+
+def test_a_breaker_row_read_with_a_settle_stands_in_for_the_breakers_reads(world: World) -> None:
+    breaker = make_breaker(world.engine, Chain(world.engine, RULE).rule)
+    _observed(world, _storage(breaker))
     with Statements(world.engine) as seen:
         assert breaker.call(lambda: 42) == 42
-    assert seen.count == 0  # state read and counter reset both answered by the row: no round trip
+    assert seen.count == 0  # the state read answered by the row, the reset put off: no round trip
 
+    _observed(world, _storage(breaker))
     with Statements(world.engine) as seen, pytest.raises(TargetUnavailable):
         breaker.call(_fail)
     assert seen.count > 0  # a failure is written at once, for every other process to see
@@ -73,48 +91,62 @@ def test_a_breaker_row_read_with_a_settle_stands_in_for_the_breakers_reads(world
     assert seen.count >= 1  # ...and our write dropped the row: the next read is the database's
 
 
+def test_a_success_clears_failures_made_elsewhere_since_its_row_was_read(world: World, db_url: str) -> None:
+    """fail, success, fail is not two consecutive failures, whichever workers made them."""
+    other_engine = db.create_engine(db_url)
+    try:
+        mine, theirs = _breaker(world.engine, world, fail_max=2), _breaker(other_engine, world, fail_max=2)
+        _observed(world, _storage(mine))  # my row: no failures
+        with pytest.raises(TargetUnavailable):
+            theirs.call(_fail)  # a failure elsewhere, after my row was read
+        assert mine.call(lambda: "ok") == "ok"  # my success; its reset waits for my settle...
+        _observed(world, _storage(mine))  # ...which sees the failure and clears it
+        assert theirs.fail_counter == 0
+        with pytest.raises(TargetUnavailable):
+            theirs.call(_fail)
+        assert theirs.current_state == "closed" and mine.current_state == "closed"
+    finally:
+        other_engine.dispose()
+
+
 def test_an_observed_row_goes_stale_after_a_second(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     import delivery.store.breaker as breaker_module
 
-    rule = Chain(world.engine, RULE).rule
-    storage = DatabaseBreakerStorage(world.engine, rule.target.id)
-    storage.observe({"state": "open", "fail_counter": 3, "success_counter": 0, "opened_at": None})
+    storage = DatabaseBreakerStorage(world.engine, Chain(world.engine, RULE).rule.target.id)
+    with world.engine.begin() as conn:
+        storage.observe(conn, {"state": "open", "fail_counter": 3, "success_counter": 0, "opened_at": None})
     assert storage.state == "open"
     monkeypatch.setattr(breaker_module, "SNAPSHOT_SECONDS", 0.0)
     assert storage.state == "closed"  # what the database says
 
 
-def test_a_breaker_tripped_by_another_process_mid_batch_stops_the_next_record(world: World, db_url: str) -> None:
+def test_a_breaker_tripped_by_another_process_is_seen_one_record_later(world: World, db_url: str) -> None:
     world.load(*[f"r{n}" for n in range(6)])
     other_engine = db.create_engine(db_url)  # another worker process delivering to the same target
     try:
+        theirs = _breaker(other_engine, world, fail_max=1)
         chain = Chain(world.engine, RULE)
-        theirs = pybreaker.CircuitBreaker(
-            fail_max=1,
-            reset_timeout=60,
-            state_storage=DatabaseBreakerStorage(other_engine, chain.rule.target.id),
-            throw_new_error_on_trip=False,
-        )
         assert chain.open() is None
-        assert chain._writer is not None
-        real_create = chain._writer.create  # type: ignore[attr-defined]
-        calls: list[str] = []
+        real_check = chain._check
+        checked = 0
 
-        def create(body: dict[str, Any], key: str) -> str:
-            calls.append(key)
-            if len(calls) == 2:
+        def check(candidate: Any, phase: Phase) -> None:
+            nonlocal checked
+            checked += 1
+            if checked == 2:  # after record 1's settle, before record 2's call
                 with pytest.raises(TargetUnavailable):
                     theirs.call(_fail)  # the other process's failure trips the shared breaker
-            return str(real_create(body, key))
+            real_check(candidate, phase)
 
-        chain._writer.create = create  # type: ignore[attr-defined]
+        chain._check = check  # type: ignore[method-assign]
         report = chain.run_batch(Phase.SCAN)
         chain.finish()
     finally:
         other_engine.dispose()
-    # Record 2 was already on the wire; the row read with its settle shows the trip, and record 3
-    # is not sent.
-    assert report.ended_by is ChainEnd.BREAKER_OPEN and report.attempted == 2 and len(calls) == 2
+    # Record 2 goes out on the row read with record 1's settle; the row read with record 2's
+    # settle shows the trip, and record 3 is not sent.
+    assert report.ended_by is ChainEnd.BREAKER_OPEN and report.attempted == 2
+    assert len([r for r in world.target.requests if r.method == "POST"]) == 2
     assert len(world.ledger()) == 2
 
 
@@ -129,6 +161,7 @@ def test_the_heartbeat_moves_during_a_long_batch_but_not_per_record(
         real_heartbeat(conn, token, now)
 
     monkeypatch.setattr(chains, "heartbeat", heartbeat)
+    world.apply(target={"timeout_seconds": 10})  # slow answers, not timeouts, on a loaded machine
     world.load(*[f"r{n}" for n in range(8)])
     world.target.latency_ms = 300  # eight records: a batch of about 2.4 s
     chain = Chain(world.engine, RULE)
@@ -142,9 +175,6 @@ def test_the_heartbeat_moves_during_a_long_batch_but_not_per_record(
     # One as the job starts, one as the cursor moves, and one with a settle each second between.
     assert len(during) >= 4
     assert len(during) <= 2 + int(ended - started) + 1
-    with world.engine.connect() as conn:
-        row = conn.execute(sa.select(chains.chains.c.heartbeat_at).where(chains.chains.c.token == chain.token)).one()
-    assert (utcnow() - row.heartbeat_at).total_seconds() < 60
 
 
 def test_a_fast_batch_writes_the_heartbeat_as_the_job_starts_and_ends(
@@ -200,5 +230,55 @@ def test_on_postgresql_settles_share_the_fence_and_a_supersede_waits_for_them(wo
         first.commit()
         assert superseded.wait(10.0)
         thread.join()
+    assert chain.run_batch(Phase.SCAN).ended_by is ChainEnd.SUPERSEDED
+    chain.finish()
+
+
+def _wait_for_a_lock_wait(engine: sa.Engine) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with engine.connect() as conn:
+            waiting = conn.exec_driver_sql(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            ).scalar_one()
+        if waiting:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the supersede never waited for the settle")
+
+
+@pytest.mark.postgres
+def test_on_postgresql_a_supersede_during_a_settle_waits_and_never_deadlocks(world: World, db_url: str) -> None:
+    if not db_url.startswith("postgresql"):
+        pytest.skip("row locks are PostgreSQL's: SQLite's write transaction excludes the other writer")
+    world.load("a")
+    chain = Chain(world.engine, RULE)
+    assert chain.open() is None
+    assert chain.run_batch(Phase.SCAN).attempted == 1
+    rule = chain.rule
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def supersede() -> None:
+        try:
+            with world.engine.begin() as conn:
+                conn.exec_driver_sql("SET LOCAL deadlock_timeout = '100ms'")
+                chains.supersede(conn, rule.id, chain.token, utcnow(), "judged dead")
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            done.set()
+
+    with world.engine.connect() as settle:
+        settle.begin()
+        assert chains.holds_fence_for_settle(settle, rule.id, chain.token, rule.target.id)[0]
+        thread = threading.Thread(target=supersede)
+        thread.start()
+        _wait_for_a_lock_wait(world.engine)  # the supersede waits on the rule row...
+        chains.heartbeat(settle, chain.token, utcnow())  # ...while the settle takes the chain row
+        settle.commit()
+        assert done.wait(10)
+        thread.join()
+    assert errors == []  # taken in the same order, the two wait for each other but never deadlock
     assert chain.run_batch(Phase.SCAN).ended_by is ChainEnd.SUPERSEDED
     chain.finish()
