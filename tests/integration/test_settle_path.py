@@ -198,14 +198,19 @@ def test_a_fast_batch_writes_the_heartbeat_as_the_job_starts_and_ends(
     assert count == 2  # not one per record
 
 
-@pytest.mark.postgres
-def test_on_postgresql_settles_share_the_fence_and_a_supersede_waits_for_them(world: World, db_url: str) -> None:
+def _claimed_chain_on_postgresql(world: World, db_url: str) -> Chain:
     if not db_url.startswith("postgresql"):
-        pytest.skip("SQLite has one writer: its write transaction is the fence")
+        pytest.skip("row locks are PostgreSQL's: on SQLite the write transaction (BEGIN IMMEDIATE) is the fence")
     world.load("a")
     chain = Chain(world.engine, RULE)
     assert chain.open() is None
     assert chain.run_batch(Phase.SCAN).attempted == 1  # the chain has claimed the rule
+    return chain
+
+
+@pytest.mark.postgres
+def test_on_postgresql_settles_share_the_fence_and_a_supersede_waits_for_them(world: World, db_url: str) -> None:
+    chain = _claimed_chain_on_postgresql(world, db_url)
     rule = chain.rule
     with world.engine.connect() as first:
         first.begin()
@@ -249,12 +254,7 @@ def _wait_for_a_lock_wait(engine: sa.Engine) -> None:
 
 @pytest.mark.postgres
 def test_on_postgresql_a_supersede_during_a_settle_waits_and_never_deadlocks(world: World, db_url: str) -> None:
-    if not db_url.startswith("postgresql"):
-        pytest.skip("row locks are PostgreSQL's: SQLite's write transaction excludes the other writer")
-    world.load("a")
-    chain = Chain(world.engine, RULE)
-    assert chain.open() is None
-    assert chain.run_batch(Phase.SCAN).attempted == 1
+    chain = _claimed_chain_on_postgresql(world, db_url)
     rule = chain.rule
     errors: list[BaseException] = []
     done = threading.Event()
