@@ -43,7 +43,7 @@ import tempfile
 import time
 import traceback
 import tracemalloc
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
@@ -160,13 +160,20 @@ def check_chain(result: dict[str, Any], expected: int) -> None:
 # ------------------------------------------------------------------------------- the sections
 
 
-def run_bare(sandbox: SandboxProcess, n: int, concurrency: int, when: str) -> dict[str, Any]:
-    collection = f"bare_c{concurrency}_{when}"
+def _run_client(
+    sandbox: SandboxProcess, post: Callable[..., float], prefix: str, collection: str, n: int, concurrency: int
+) -> dict[str, Any]:
+    """One run of a client that is not the engine (`bare.post_all`, `naive.run`): n creates into
+    their own collection, checked against what the sandbox holds."""
     with CpuMeter(sandbox.pid) as cpu:
-        elapsed = bare.post_all(sandbox.api, collection, records("b", n), concurrency, f"bench-{collection}")
+        elapsed = post(sandbox.api, collection, records(prefix, n), concurrency, f"bench-{collection}")
     if sandbox.creates(collection) != n:
-        raise RuntimeError(f"the sandbox holds {sandbox.creates(collection)} of {n} bare creates")
+        raise RuntimeError(f"the sandbox holds {sandbox.creates(collection)} of {n} creates in {collection}")
     return {"records": n, "seconds": round(elapsed, 3), "records_per_s": _rate(n, elapsed), "cpu": cpu.result(n)}
+
+
+def run_bare(sandbox: SandboxProcess, n: int, concurrency: int, when: str) -> dict[str, Any]:
+    return _run_client(sandbox, bare.post_all, "b", f"bare_c{concurrency}_{when}", n, concurrency)
 
 
 def add_ratios(row: dict[str, Any]) -> None:
@@ -295,12 +302,7 @@ def run_empty_chain(label: str, url: str, sandbox: SandboxProcess, runs: int) ->
 
 
 def run_naive(sandbox: SandboxProcess, n: int, concurrency: int) -> dict[str, Any]:
-    collection = f"naive_c{concurrency}"
-    with CpuMeter(sandbox.pid) as cpu:
-        elapsed = naive.run(sandbox.api, collection, records("n", n), concurrency, f"bench-{collection}")
-    if sandbox.creates(collection) != n:
-        raise RuntimeError(f"the sandbox holds {sandbox.creates(collection)} of {n} naive creates")
-    return {"records": n, "seconds": round(elapsed, 3), "records_per_s": _rate(n, elapsed), "cpu": cpu.result(n)}
+    return _run_client(sandbox, naive.run, "n", f"naive_c{concurrency}", n, concurrency)
 
 
 def _proc_status_kib(field: str) -> int | None:
