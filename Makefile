@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-sqlite lint typecheck check demo serve bench bench-quick clean
+.PHONY: install test test-sqlite lint typecheck check demo serve bench bench-quick screenshots clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,16 +15,19 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 ## The whole suite, on SQLite and on PostgreSQL (DELIVERY_TEST_POSTGRES_URL, default the local server).
+## Two workers, a test module each at a time: most of the suite's time is spent waiting (leases,
+## timeouts, servers starting), so two halves on two cores take about 10 minutes instead of 17.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 ## The suite without the PostgreSQL half, for a machine with no PostgreSQL.
 test-sqlite: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not postgres"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not postgres"
 
 lint: $(STAMP)
-	$(BIN)/ruff check delivery flows tests migrations bench
-	$(BIN)/ruff format --check delivery flows tests migrations bench
+	$(BIN)/ruff check delivery flows playground tests migrations bench tools
+	$(BIN)/ruff format --check delivery flows playground tests migrations bench tools
+	$(BIN)/lint-imports  # the import arrows of docs/architecture.md (contracts in pyproject.toml)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -39,13 +42,22 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/delivery serve
 
-## The benchmark (docs/performance.md): engine vs bare httpx vs naive Prefect, mirror sizes. ~8-20 min.
+## The benchmark (docs/performance.md). Records: engine vs bare httpx vs naive Prefect at 2 ms and
+## 50 ms, grouped and per_record settles, mirror sizes (~15 min; ARGS go to bench.run). Rules: many
+## rules per tick on a real Prefect server with process workers (~15-25 min; RULES_ARGS to bench.rules).
 bench: $(STAMP)
 	$(BIN)/python -m bench.run $(ARGS)
+	$(BIN)/python -m bench.rules $(RULES_ARGS)
 
-## The same at tiny sizes (~1 min): CI runs it so the script cannot rot.
+## Both at tiny sizes (~4 min): CI runs them so the scripts cannot rot.
 bench-quick: $(STAMP)
 	$(BIN)/python -m bench.run --quick --json bench/results/quick.json
+	$(BIN)/python -m bench.rules --quick --json bench/results/rules-quick.json
+
+## The pictures of docs/operator-guide.md (docs/img/*.png), from the real Prefect UI: `delivery serve`
+## in a temp dir, a few runs, headless Chromium (Debian's `chromium`; installed when run as root). ~3 min.
+screenshots: $(STAMP)
+	$(BIN)/python -m tools.screenshots $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

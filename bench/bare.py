@@ -1,8 +1,8 @@
 """The physical limit: the same requests the engine makes, by a bare httpx client, nothing else.
 
 Same client stack as the engine's `rest` writer (one pooled `httpx.Client` shared by `concurrency`
-threads), same bodies, same `Idempotency-Key` header, and the answer's id is read as the writer
-does. No database, no breaker, no Prefect.
+threads, its pool sized to `concurrency` as the writer's is), same bodies, same `Idempotency-Key`
+header, and the answer's id is read as the writer does. No database, no breaker, no Prefect.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ def post_all(
         base_url=base_url.rstrip("/") + "/",
         headers={"Accept": "application/json", "User-Agent": "delivery-bench"},
         timeout=httpx.Timeout(10.0),
+        # Sized as the writer sizes its pool: every thread keeps its connection alive between calls.
+        limits=httpx.Limits(max_connections=max(1, concurrency), max_keepalive_connections=max(1, concurrency)),
     )
     pending = iter(range(len(records)))
     take = threading.Lock()

@@ -35,14 +35,16 @@ def _process_seconds(pid: int) -> float | None:
 
 
 class CpuMeter:
-    """`with CpuMeter(target_pid) as meter: ...`, then `meter.result(n)`: the machine's busy share
-    and the CPU seconds per record of this process (all threads) and of the target process."""
+    """`with CpuMeter(target_pid) as meter: ...`, then `meter.result(n)`: the machine's busy share,
+    the CPU seconds per record of this process (all threads) and of the target process, and the
+    share of a core each of them used."""
 
     def __init__(self, target_pid: int | None) -> None:
         self.target_pid = target_pid
 
     def __enter__(self) -> CpuMeter:
         self._machine = _machine()
+        self._wall = time.perf_counter()
         self._own = time.process_time()
         self._target = _process_seconds(self.target_pid) if self.target_pid else None
         return self
@@ -50,6 +52,7 @@ class CpuMeter:
     def __exit__(self, *_: Any) -> None:
         machine = _machine()
         self.own_seconds = time.process_time() - self._own
+        self.wall_seconds = time.perf_counter() - self._wall
         target = _process_seconds(self.target_pid) if self.target_pid else None
         self.target_seconds = target - self._target if target is not None and self._target is not None else None
         self.machine_busy: float | None = None
@@ -68,4 +71,10 @@ class CpuMeter:
             "target_cpu_ms_per_record": None
             if self.target_seconds is None
             else round(1000 * self.target_seconds / per, 3),
+            # The cores each process kept busy: near 1.0 a Python process is bound by its own CPU
+            # (the GIL runs its Python on one core at a time, whatever its threads).
+            "own_core_share": round(self.own_seconds / self.wall_seconds, 3) if self.wall_seconds > 0 else None,
+            "target_core_share": None
+            if self.target_seconds is None or self.wall_seconds <= 0
+            else round(self.target_seconds / self.wall_seconds, 3),
         }

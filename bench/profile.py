@@ -1,6 +1,6 @@
 """Where a record's time goes inside the engine, and what a change would win: `python -m bench.profile`.
 
-Runs chains of the real `delivery.engine.Chain` directly (open, scan batches until one comes back
+Runs chains of the real `delivery.chain.Chain` directly (open, scan batches until one comes back
 empty, finish): no Prefect, no rule lock, so what is measured is the engine's per-record path,
 against the same sandbox target (own process, fixed latency) as `bench.run`.
 
@@ -47,17 +47,17 @@ import sqlalchemy as sa
 from rich.console import Console
 from rich.table import Table
 
-import delivery.engine as engine_module
+import delivery.breaker as breaker_module
 from bench import pg
 from bench.target import SandboxProcess
-from bench.world import StatementCounter, apply, records, rule_entry
+from bench.world import StatementCounter, apply, records, rule_entry, target_connection
 from delivery import db
-from delivery.domain import Phase
-from delivery.engine import Chain
+from delivery.chain import Chain
+from delivery.domain import MirrorInput, Phase
 from delivery.store import breaker as breaker_store
 from delivery.store import chains as chains_store
 from delivery.store import ledger as ledger_store
-from delivery.store.mirror import MirrorInput, load_records
+from delivery.store.mirror import load_records
 
 PROFILE_DATABASE = "delivery_bench_profile"
 VARIANTS = (
@@ -162,8 +162,8 @@ def variant(name: str) -> Iterator[dict[str, Any]]:
     options: dict[str, Any] = {"pre_ping": True}
     parts = {"no-record-db": {"no-settle", "memory-breaker"}}.get(name, {name})
     if "memory-breaker" in parts:
-        setattr(engine_module, "DatabaseBreakerStorage", MemoryBreakerStorage)  # noqa: B010
-        undo.append(lambda: setattr(engine_module, "DatabaseBreakerStorage", breaker_store.DatabaseBreakerStorage))
+        setattr(breaker_module, "DatabaseBreakerStorage", MemoryBreakerStorage)  # noqa: B010
+        undo.append(lambda: setattr(breaker_module, "DatabaseBreakerStorage", breaker_store.DatabaseBreakerStorage))
     if "no-pre-ping" in parts:
         options["pre_ping"] = False
     if "no-settle" in parts:
@@ -173,7 +173,7 @@ def variant(name: str) -> Iterator[dict[str, Any]]:
             return None
 
         setattr(chains_store, "holds_fence_for_settle", lambda *_: (True, None))  # noqa: B010
-        setattr(ledger_store, "settle", skip)  # noqa: B010
+        setattr(ledger_store, "settle", lambda *_: True)  # noqa: B010  (True: "settled", as a real one says)
         setattr(chains_store, "heartbeat", skip)  # noqa: B010
 
         def restore() -> None:
@@ -210,11 +210,26 @@ def prepare(url: str, sandbox: SandboxProcess, n: int) -> None:
 
 
 def run_chain(
-    url: str, sandbox: SandboxProcess, name: str, n: int, concurrency: int, batch: int, pre_ping: bool, profile: bool
+    url: str,
+    sandbox: SandboxProcess,
+    name: str,
+    n: int,
+    concurrency: int,
+    batch: int,
+    pre_ping: bool,
+    profile: bool,
+    settle: str = "grouped",
 ) -> dict[str, Any]:
     engine = make_engine(url, pre_ping)
     try:
-        apply(engine, sandbox, "shop", [rule_entry(name, "shop", name.replace("-", "_"), batch, concurrency)])
+        target = f"sandbox-{settle}"
+        apply(
+            engine,
+            sandbox,
+            "shop",
+            [rule_entry(name, "shop", name.replace("-", "_"), batch, concurrency, target=target)],
+            [target_connection(target, sandbox, settle)],
+        )
         buckets = Buckets()
         instrument(buckets)
         counter = StatementCounter(engine)
@@ -277,12 +292,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--latency-ms", type=int, default=2)
     parser.add_argument("--variant", choices=VARIANTS, action="append", help="default: baseline")
+    parser.add_argument(
+        "--settle",
+        choices=("grouped", "per_record"),
+        action="append",
+        help="the target's settle mode (default grouped)",
+    )
     parser.add_argument("--cprofile", action="store_true", help="also print cProfile's top functions (tottime)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     databases = args.db or ["sqlite", "postgresql"]
     concurrencies = args.concurrency or [1, 8]
     variants = args.variant or ["baseline"]
+    settles = args.settle or ["grouped"]
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     workdir = Path(tempfile.mkdtemp(prefix="delivery-profile-"))
@@ -294,34 +316,43 @@ def main(argv: list[str] | None = None) -> int:
         run = 0
         for label in databases:
             for name in variants:
-                for c in concurrencies:
-                    run += 1  # a fresh database and rule name every run (a variant may be listed twice)
-                    url = (
-                        pg.create_database(PROFILE_DATABASE)
-                        if label == "postgresql"
-                        else f"sqlite:///{workdir / f'run-{run}.db'}"
-                    )
-                    prepare(url, sandbox, args.records)
-                    with variant(name) as options:
-                        rule = f"profile-{run}-{label}-{name}-c{c}"
-                        try:
-                            result = run_chain(
-                                url, sandbox, rule, args.records, c, args.batch_size, options["pre_ping"], args.cprofile
-                            )
-                        except Exception as exc:
-                            failed = True
-                            console.print(f"[red]FAILED[/red] {rule}: {exc}")
-                            continue
-                        finally:
-                            if label == "postgresql":
-                                pg.drop_database(PROFILE_DATABASE)
-                    rows.append({"db": label, "variant": name, "concurrency": c, **result})
-                    console.print(
-                        f"{label} {name} c={c}: {result['records_per_s']:,.0f} records/s, "
-                        f"{result['ms_per_record']:.2f} ms/record, CPU {result['cpu_ms_per_record']:.2f} ms/record"
-                    )
-                    if "profile_tottime" in result:
-                        console.print(result["profile_tottime"], markup=False, highlight=False)
+                for settle in settles:
+                    for c in concurrencies:
+                        run += 1  # a fresh database and rule name every run (a variant may be listed twice)
+                        url = (
+                            pg.create_database(PROFILE_DATABASE)
+                            if label == "postgresql"
+                            else f"sqlite:///{workdir / f'run-{run}.db'}"
+                        )
+                        prepare(url, sandbox, args.records)
+                        with variant(name) as options:
+                            rule = f"profile-{run}-{label}-{name}-{settle}-c{c}"
+                            try:
+                                result = run_chain(
+                                    url,
+                                    sandbox,
+                                    rule,
+                                    args.records,
+                                    c,
+                                    args.batch_size,
+                                    options["pre_ping"],
+                                    args.cprofile,
+                                    settle,
+                                )
+                            except Exception as exc:
+                                failed = True
+                                console.print(f"[red]FAILED[/red] {rule}: {exc}")
+                                continue
+                            finally:
+                                if label == "postgresql":
+                                    pg.drop_database(PROFILE_DATABASE)
+                        rows.append({"db": label, "variant": name, "settle": settle, "concurrency": c, **result})
+                        console.print(
+                            f"{label} {name} {settle} c={c}: {result['records_per_s']:,.0f} records/s, "
+                            f"{result['ms_per_record']:.2f} ms/record, CPU {result['cpu_ms_per_record']:.2f} ms/record"
+                        )
+                        if "profile_tottime" in result:
+                            console.print(result["profile_tottime"], markup=False, highlight=False)
     finally:
         sandbox.stop()
         if "postgresql" in databases:
@@ -329,12 +360,23 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
     table = Table(title=f"Engine per-record path ({args.records} creates, latency {args.latency_ms} ms, no Prefect)")
-    for column in ("db", "variant", "c", "records/s", "ms/record", "CPU ms/record", "SQL/record", "commits/record"):
+    for column in (
+        "db",
+        "variant",
+        "settle",
+        "c",
+        "records/s",
+        "ms/record",
+        "CPU ms/record",
+        "SQL/record",
+        "commits/record",
+    ):
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(
             row["db"],
             row["variant"],
+            row["settle"],
             str(row["concurrency"]),
             f"{row['records_per_s']:,.0f}",
             f"{row['ms_per_record']:.2f}",
@@ -349,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         split.add_column(column, justify="right")
     for row in rows:
         split.add_row(
-            f"{row['db']} {row['variant']} c={row['concurrency']}",
+            f"{row['db']} {row['variant']} {row['settle']} c={row['concurrency']}",
             *(f"{row['buckets_ms_per_record'].get(name, 0):.2f}" for name in names),
         )
     console.print(split)

@@ -8,16 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-THROUGHPUT_HEADER = [
-    "concurrency",
-    "bare httpx (before/after)",
-    "engine SQLite",
-    "SQLite/bare",
-    "engine PostgreSQL",
-    "PG/bare",
-    "naive Prefect",
-    "naive/bare",
-]
 MIRROR_HEADER = [
     "mirror rows",
     "table MiB",
@@ -49,6 +39,8 @@ def bare_text(entry: Any) -> str:
 
 
 def _rate(entry: Any) -> str:
+    if entry is None:
+        return "-"  # not measured in this row
     if not isinstance(entry, dict) or "records_per_s" not in entry:
         return "failed"
     return f"{entry['records_per_s']:,.0f}"
@@ -58,15 +50,47 @@ def _ratio(entry: Any) -> str:
     return f"{entry['ratio']:.2f}" if isinstance(entry, dict) and "ratio" in entry else "-"
 
 
-def cost_rows(results: dict[str, Any]) -> list[list[str]]:
-    """Where an engine chain's time goes: a row per database for the empty chain and per concurrency."""
+def _engines(results: dict[str, Any]) -> list[str]:
+    """The engine entries of a throughput row: "sqlite/grouped", "postgresql/per_record", ..."""
+    return list(results["meta"].get("engines", []))
+
+
+def _short(label: str) -> str:
+    database, _, settle = label.partition("/")
+    return f"{'SQLite' if database == 'sqlite' else 'PG'} {settle}"
+
+
+def throughput_table(results: dict[str, Any]) -> str:
+    """A row per (latency, concurrency): the bare client, each engine and its ratio to the bare
+    client, the naive design where it ran."""
+    engines = [label for label in _engines(results) if any(label in row for row in results["throughput"])]
+    naive = any("naive" in row for row in results["throughput"])
+    header = ["latency ms", "concurrency", "bare httpx (before/after)"]
+    for label in engines:
+        header += [_short(label), "/bare"]
+    if naive:
+        header += ["naive Prefect", "/bare"]
     rows = []
-    for label in ("sqlite", "postgresql"):
-        empty = results.get("empty_chain", {}).get(label)
+    for row in results["throughput"]:
+        cells = [str(row["latency_ms"]), str(row["concurrency"]), bare_text(row.get("bare"))]
+        for label in engines:
+            cells += [_rate(row.get(label)), _ratio(row.get(label))]
+        if naive:
+            cells += [_rate(row.get("naive")), _ratio(row.get("naive"))]
+        rows.append(cells)
+    return _table(header, rows)
+
+
+def cost_rows(results: dict[str, Any]) -> list[list[str]]:
+    """Where an engine chain's time goes: a row per database for the empty chain and per engine run."""
+    rows = []
+    for database in ("sqlite", "postgresql"):
+        empty = results.get("empty_chain", {}).get(database)
         if empty:
             rows.append(
                 [
-                    label,
+                    database,
+                    "-",
                     "empty chain",
                     f"{empty['seconds']:.2f}",
                     str(empty["batches"]),
@@ -77,6 +101,7 @@ def cost_rows(results: dict[str, Any]) -> list[list[str]]:
                     "-",
                 ]
             )
+    for label in _engines(results):
         for row in results["throughput"]:
             entry = row.get(label)
             if isinstance(entry, dict) and "split" in entry:
@@ -84,6 +109,7 @@ def cost_rows(results: dict[str, Any]) -> list[list[str]]:
                 rows.append(
                     [
                         label,
+                        str(row["latency_ms"]),
                         str(row["concurrency"]),
                         f"{entry['seconds']:.1f}",
                         str(split["batches"]),
@@ -91,7 +117,35 @@ def cost_rows(results: dict[str, Any]) -> list[list[str]]:
                         f"{split['lock_s']:.2f}",
                         f"{split['prefect_other_s']:.2f}",
                         f"{entry['statements_per_record']:.2f}",
-                        f"{entry['commits_per_record']:.2f}",
+                        f"{entry['commits_per_record']:.3f}",
+                    ]
+                )
+    return rows
+
+
+def _share(value: Any, fmt: str = "{:.0%}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def cpu_rows(results: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for label in ["bare", *_engines(results), "naive"]:
+        for row in results["throughput"]:
+            entry = row.get(label)
+            if isinstance(entry, dict) and isinstance(entry.get("cpu"), dict):
+                cpu = entry["cpu"]
+                rows.append(
+                    [
+                        label,
+                        str(row["latency_ms"]),
+                        str(row["concurrency"]),
+                        _rate(entry),
+                        _share(cpu.get("machine_busy")),
+                        _share(cpu.get("machine_steal")),
+                        f"{cpu['own_cpu_ms_per_record']:.2f}",
+                        _share(cpu.get("own_core_share"), "{:.2f}"),
+                        _share(cpu.get("target_cpu_ms_per_record"), "{:.2f}"),
+                        _share(cpu.get("target_core_share"), "{:.2f}"),
                     ]
                 )
     return rows
@@ -104,55 +158,28 @@ def markdown(results: dict[str, Any]) -> str:
         f"Machine: {meta['cores']} cores ({meta['machine']}), {meta['platform']}. Python {meta['python']}, "
         f"prefect {versions['prefect']}, SQLAlchemy {versions['sqlalchemy']}, httpx {versions['httpx']}, "
         f"psycopg {versions['psycopg']}, pybreaker {versions['pybreaker']}, PostgreSQL {meta['postgresql'] or '-'}, "
-        f"SQLite {meta['sqlite']}. Sandbox latency {meta['latency_ms']} ms, batch_size {meta['batch_size']}, "
-        f"{meta['records']:,} creates per run ({meta['naive_records']:,} for the naive design). "
-        f"Run started {meta['started_at']}, took {meta.get('seconds', '?')} s"
-        f"{' (quick mode)' if meta['quick'] else ''}.",
-        "",
-        _table(
-            THROUGHPUT_HEADER,
-            [
-                [
-                    str(row["concurrency"]),
-                    bare_text(row.get("bare")),
-                    _rate(row.get("sqlite")),
-                    _ratio(row.get("sqlite")),
-                    _rate(row.get("postgresql")),
-                    _ratio(row.get("postgresql")),
-                    _rate(row.get("naive")),
-                    _ratio(row.get("naive")),
-                ]
-                for row in results["throughput"]
-            ],
-        ),
+        f"SQLite {meta['sqlite']}. batch_size {meta['batch_size']}, {meta['records']:,} creates per run "
+        f"({meta['naive_records']:,} for the naive design). Load average {meta.get('load_average_at_start')} "
+        f"at the start, {meta.get('load_average_at_end')} at the end. Run started {meta['started_at']}, took "
+        f"{meta.get('seconds', '?')} s{' (quick mode)' if meta['quick'] else ''}.",
         "",
     ]
+    if results["throughput"]:
+        parts += ["Throughput (records/s) and engine/bare:", "", throughput_table(results), ""]
     split_rows = cost_rows(results)
     if split_rows:
-        header = ["database", "concurrency", "chain s", "batches", "engine work s", "rule lock s", "Prefect other s"]
-        parts += [_table([*header, "SQL/record", "commits/record"], split_rows), ""]
-    cpu_rows = []
-    for label in ("bare", "sqlite", "postgresql", "naive"):
-        for row in results["throughput"]:
-            entry = row.get(label)
-            if isinstance(entry, dict) and isinstance(entry.get("cpu"), dict):
-                cpu = entry["cpu"]
-                busy, steal = cpu.get("machine_busy"), cpu.get("machine_steal")
-                target = cpu.get("target_cpu_ms_per_record")
-                cpu_rows.append(
-                    [
-                        label,
-                        str(row["concurrency"]),
-                        _rate(entry),
-                        "-" if busy is None else f"{busy:.0%}",
-                        "-" if steal is None else f"{steal:.0%}",
-                        f"{cpu['own_cpu_ms_per_record']:.2f}",
-                        "-" if target is None else f"{target:.2f}",
-                    ]
-                )
-    if cpu_rows:
-        header = ["run", "concurrency", "records/s", "machine busy", "steal", "bench process CPU ms/record"]
-        parts += [_table([*header, "target CPU ms/record"], cpu_rows), ""]
+        header = ["engine", "latency ms", "concurrency", "chain s", "batches", "engine work s", "rule lock s"]
+        parts += [
+            "Where an engine chain's time goes:",
+            "",
+            _table([*header, "Prefect other s", "SQL/record", "commits/record"], split_rows),
+            "",
+        ]
+    rows = cpu_rows(results)
+    if rows:
+        header = ["run", "latency ms", "concurrency", "records/s", "machine busy", "steal"]
+        header += ["bench process CPU ms/record", "bench process cores", "target CPU ms/record", "target cores"]
+        parts += ["Where the CPU went:", "", _table(header, rows), ""]
     if results["mirror"]:
         parts.append(
             _table(
@@ -180,7 +207,14 @@ def markdown(results: dict[str, Any]) -> str:
         parts.append(
             _table(
                 ["target", "measured", "met"],
-                [[t["target"], t["measured"], "yes" if t["met"] else "**no**"] for t in results["targets"]],
+                [
+                    [
+                        t["target"],
+                        t["measured"],
+                        ("yes" if t["met"] else "**no**") + (f" ({t['note']})" if "note" in t else ""),
+                    ]
+                    for t in results["targets"]
+                ],
             )
         )
     for failure in results.get("errors", []):

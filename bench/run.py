@@ -3,17 +3,20 @@
 In one run, side by side:
 
 * end-to-end throughput of `deliver-rule` (the real flow, `flows.deliver_rule.run_now`) creating N
-  records in the sandbox target (its own process, fixed latency), on SQLite and on PostgreSQL, at
-  each concurrency;
-* the same N requests by a bare httpx client at the same concurrency (the physical limit of this
-  machine for this target), and the ratio engine/bare;
-* a naive Prefect design (one task per record, `bench/naive.py`) on a smaller N;
+  records in the sandbox target (its own process, fixed latency), on SQLite and on PostgreSQL, with
+  the target's connection settled `grouped` and `per_record`, in two profiles: the short one (2 ms
+  latency at concurrency 1 and 8) and the long one real targets have (50 ms at 32 and 64);
+* the same N requests by a bare httpx client at the same concurrency, its pool sized likewise (the
+  physical limit of this machine for this target), before and after the engines, and the ratio
+  engine/bare;
+* a naive Prefect design (one task per record, `bench/naive.py`) on a smaller N, short profile;
 * per-batch latency of `scan_page` and `drain_page` with the mirror at several sizes (PostgreSQL),
   with the query plans, and the peak Python memory of a chain at each size.
 
-Prints tables and writes JSON (default `bench/results/latest.json`). Exits 1 when anything failed
-(a wrong count is a failure); a target that is not met is reported, not a failure.
-See docs/performance.md for what the numbers mean.
+`--parts`, `--db` and `--settle` select what runs. Prints Markdown tables (`bench.report`) and
+writes JSON (default `bench/results/latest.json`). Exits 1 when anything failed (a wrong count is a
+failure); a target that is not met is reported, not a failure. See docs/performance.md for what the
+numbers mean.
 """
 
 from __future__ import annotations
@@ -44,28 +47,28 @@ import time
 import traceback
 import tracemalloc
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from bench import bare, mirror, naive, pg
 from bench.cpu import CpuMeter
-from bench.report import THROUGHPUT_HEADER, bare_text, cost_rows
+from bench.report import markdown
 from bench.target import SandboxProcess
-from bench.world import StatementCounter, apply, records, rule_entry, use_database
+from bench.world import StatementCounter, apply, records, rule_entry, target_connection, use_database
 from delivery import db
+from delivery.domain import MirrorInput
 from delivery.store import catalog
-from delivery.store.mirror import MirrorInput, load_records
+from delivery.store.mirror import load_records
 from flows.deliver_rule import run_now
 
 E2E_DATABASE = "delivery_bench"
 MIRROR_DATABASE = "delivery_bench_mirror"
 DEFAULT_JSON = Path("bench/results/latest.json")
 TARGET_RATIO = 0.8
+TARGET_RATIO_LONG = 0.9
 TARGET_LATENCY_GROWTH = 2.0
 TARGET_MEMORY_GROWTH = 1.25
 WARM_UP_RECORDS = 50
@@ -90,36 +93,98 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+PARTS = ("short", "long", "naive", "mirror")
+SETTLES = ("grouped", "per_record")
+DATABASES = ("sqlite", "postgresql")
+
+
+def _choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        values = [part.strip() for part in text.split(",") if part.strip()]
+        wrong = [v for v in values if v not in allowed]
+        if not values or wrong:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(allowed)}, got {text!r}")
+        return [v for v in allowed if v in values]  # in the canonical order, once each
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A target latency and the concurrencies the engine and the bare client are measured at."""
+
+    name: str
+    latency_ms: int
+    concurrency: list[int]
+    engines: bool
+    naive: bool
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--records", type=int, default=None, help="records per end-to-end run (default 10000)")
+    parser.add_argument("--records", type=int, default=None, help="records per end-to-end run (default 8000)")
     parser.add_argument("--naive-records", type=int, default=None, help="records for the naive design (default 500)")
-    parser.add_argument("--concurrency", type=_ints, default=[1, 8], help="writes in flight, a list (default 1,8)")
+    parser.add_argument(
+        "--concurrency", type=_ints, default=[1, 8], help="short profile: writes in flight, a list (default 1,8)"
+    )
+    parser.add_argument("--latency-ms", type=int, default=2, help="short profile: the sandbox's latency (default 2)")
+    parser.add_argument(
+        "--long-concurrency", type=_ints, default=[32, 64], help="long profile: writes in flight (default 32,64)"
+    )
+    parser.add_argument(
+        "--long-latency-ms", type=int, default=50, help="long profile: the sandbox's latency (default 50)"
+    )
+    parser.add_argument(
+        "--parts",
+        type=_choices(PARTS),
+        default=list(PARTS),
+        help="what to run, a list of short (the short-latency profile), long (the long-latency profile), "
+        "naive (the naive design, at the short profile's concurrencies), mirror (default all)",
+    )
+    parser.add_argument(
+        "--settle", type=_choices(SETTLES), default=list(SETTLES), help="settle modes (default grouped,per_record)"
+    )
+    parser.add_argument(
+        "--db", type=_choices(DATABASES), default=list(DATABASES), help="databases (default sqlite,postgresql)"
+    )
     parser.add_argument(
         "--mirror-sizes", type=_ints, default=None, help="mirror rows, a list (default 10000,100000,1000000)"
     )
     parser.add_argument("--batch-size", type=int, default=500, help="the rule's batch_size (default 500)")
-    parser.add_argument("--latency-ms", type=int, default=2, help="the sandbox's fixed latency (default 2)")
     parser.add_argument(
         "--chain-records", type=int, default=None, help="records the memory chain delivers at each size (default 2000)"
     )
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes (300 records, naive 50, mirror 2000,5000): for CI"
     )
-    parser.add_argument("--skip-postgres", action="store_true", help="SQLite only; no mirror-size section")
+    parser.add_argument(
+        "--skip-postgres", action="store_true", help="SQLite only (= --db sqlite); no mirror-size section"
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"where to write the results ({DEFAULT_JSON})")
     args = parser.parse_args(argv)
     quick = args.quick
-    args.records = args.records or (300 if quick else 10_000)
+    args.records = args.records or (300 if quick else 8_000)
     args.naive_records = args.naive_records or (50 if quick else 500)
     args.mirror_sizes = sorted(args.mirror_sizes or ([2_000, 5_000] if quick else [10_000, 100_000, 1_000_000]))
     args.chain_records = args.chain_records or (200 if quick else 2_000)
+    if args.skip_postgres:
+        args.db = ["sqlite"]
+    if "postgresql" not in args.db and "mirror" in args.parts:
+        args.parts = [part for part in args.parts if part != "mirror"]  # the mirror section is PostgreSQL's
     if not 1 <= args.batch_size <= 10_000:
         parser.error("--batch-size must be within 1..10000 (a rule's limit)")
-    if any(c > 64 for c in args.concurrency):
-        parser.error("--concurrency values must be within 1..64 (a rule's limit)")
+    if any(c > 64 for c in [*args.concurrency, *args.long_concurrency]):
+        parser.error("--concurrency and --long-concurrency values must be within 1..64 (a rule's limit)")
     if args.chain_records * 2 > min(args.mirror_sizes):
         parser.error("--chain-records must be at most half the smallest mirror size")
+    args.profiles = [
+        profile
+        for profile in (
+            Profile("short", args.latency_ms, args.concurrency, "short" in args.parts, "naive" in args.parts),
+            Profile("long", args.long_latency_ms, args.long_concurrency, "long" in args.parts, False),
+        )
+        if profile.engines or profile.naive
+    ]
     return args
 
 
@@ -169,14 +234,20 @@ def _run_client(
         elapsed = post(sandbox.api, collection, records(prefix, n), concurrency, f"bench-{collection}")
     if sandbox.creates(collection) != n:
         raise RuntimeError(f"the sandbox holds {sandbox.creates(collection)} of {n} creates in {collection}")
-    return {"records": n, "seconds": round(elapsed, 3), "records_per_s": _rate(n, elapsed), "cpu": cpu.result(n)}
+    return {
+        "records": n,
+        "seconds": round(elapsed, 3),
+        "records_per_s": _rate(n, elapsed),
+        "cpu": cpu.result(n),
+    }
 
 
 def run_bare(sandbox: SandboxProcess, n: int, concurrency: int, when: str) -> dict[str, Any]:
-    return _run_client(sandbox, bare.post_all, "b", f"bare_c{concurrency}_{when}", n, concurrency)
+    collection = f"bare_l{sandbox.latency_ms}_c{concurrency}_{when}"
+    return _run_client(sandbox, bare.post_all, "b", collection, n, concurrency)
 
 
-def add_ratios(row: dict[str, Any]) -> None:
+def add_ratios(row: dict[str, Any], labels: list[str]) -> None:
     """`bare` = the mean of the runs before and after the engine; each other entry gets its ratio."""
     rates = [row[key]["records_per_s"] for key in ("bare_before", "bare_after") if key in row]
     if not rates:
@@ -188,11 +259,11 @@ def add_ratios(row: dict[str, Any]) -> None:
         "after": row.get("bare_after", {}).get("records_per_s"),
         "cpu": row.get("bare_before", {}).get("cpu"),
     }
-    for label in ("sqlite", "postgresql", "naive"):
+    for label in [*labels, "naive"]:
         entry = row.get(label)
         if isinstance(entry, dict) and "records_per_s" in entry:
             entry["ratio"] = round(entry["records_per_s"] / mean, 3)
-            log(f"c={row['concurrency']}: {label} / bare = {entry['ratio']:.2f}")
+            log(f"{row['latency_ms']} ms c={row['concurrency']}: {label} / bare = {entry['ratio']:.2f}")
 
 
 def prepare_e2e_database(label: str, url: str, sandbox: SandboxProcess, n: int) -> None:
@@ -215,15 +286,15 @@ class ChainTiming:
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
         import flows.deliver_rule as flow_module
-        from delivery.engine import Chain
+        from delivery.chain import Chain
 
         original_lock, original_batch = flow_module.__dict__["rule_lock"], Chain.run_batch
         timing = self
 
         @contextlib.asynccontextmanager
-        async def timed_lock(chain: Chain) -> AsyncIterator[None]:
+        async def timed_lock(chain: Chain, *args: Any, **kwargs: Any) -> AsyncIterator[None]:
             started = time.perf_counter()
-            async with original_lock(chain):
+            async with original_lock(chain, *args, **kwargs):
                 timing.lock_s += time.perf_counter() - started
                 try:
                     yield
@@ -256,11 +327,25 @@ class ChainTiming:
         }
 
 
-def run_engine(label: str, url: str, sandbox: SandboxProcess, n: int, concurrency: int, batch: int) -> dict[str, Any]:
+def target_name(sandbox: SandboxProcess, settle: str) -> str:
+    """The connection to `sandbox` whose chains settle `settle`."""
+    return f"sandbox-{sandbox.latency_ms}ms-{settle}"
+
+
+def run_engine(
+    label: str, url: str, sandbox: SandboxProcess, n: int, concurrency: int, batch: int, settle: str
+) -> dict[str, Any]:
     engine = use_database(url)
-    name = f"e2e-{label}-c{concurrency}-b{batch}"
+    name = f"e2e-{label}-{settle}-l{sandbox.latency_ms}-c{concurrency}-b{batch}"
     collection = name.replace("-", "_")
-    apply(engine, sandbox, "shop", [rule_entry(name, "shop", collection, batch, concurrency)])
+    target = target_name(sandbox, settle)
+    apply(
+        engine,
+        sandbox,
+        "shop",
+        [rule_entry(name, "shop", collection, batch, concurrency, target=target)],
+        [target_connection(target, sandbox, settle)],
+    )
     counter = StatementCounter(engine)
     timing = ChainTiming()
     started = time.perf_counter()
@@ -302,7 +387,7 @@ def run_empty_chain(label: str, url: str, sandbox: SandboxProcess, runs: int) ->
 
 
 def run_naive(sandbox: SandboxProcess, n: int, concurrency: int) -> dict[str, Any]:
-    return _run_client(sandbox, naive.run, "n", f"naive_c{concurrency}", n, concurrency)
+    return _run_client(sandbox, naive.run, "n", f"naive_l{sandbox.latency_ms}_c{concurrency}", n, concurrency)
 
 
 def _proc_status_kib(field: str) -> int | None:
@@ -407,21 +492,25 @@ def run_mirror_size(
 
 def evaluate(results: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
     targets: list[dict[str, Any]] = []
-    ratios = [
-        (f"{label} c={row['concurrency']}", row[label]["ratio"])
-        for row in results["throughput"]
-        for label in ("sqlite", "postgresql")
-        if isinstance(row.get(label), dict) and "ratio" in row[label]
-    ]
-    if ratios:
-        worst = min(ratios, key=lambda item: item[1])
-        targets.append(
-            {
-                "target": f"engine/bare >= {TARGET_RATIO} at equal concurrency",
-                "measured": ", ".join(f"{name}: {ratio:.2f}" for name, ratio in ratios),
-                "met": worst[1] >= TARGET_RATIO,
-            }
-        )
+    meta = results["meta"]
+    for profile, goal in (("short", TARGET_RATIO), ("long", TARGET_RATIO_LONG)):
+        rows = [row for row in results["throughput"] if row.get("profile") == profile]
+        for settle in SETTLES:
+            ratios = [
+                (f"{label.split('/')[0]} c={row['concurrency']}", row[label]["ratio"])
+                for row in rows
+                for label in meta["engines"]
+                if label.endswith("/" + settle) and isinstance(row.get(label), dict) and "ratio" in row[label]
+            ]
+            if ratios:
+                latency = rows[0]["latency_ms"]
+                targets.append(
+                    {
+                        "target": f"engine/bare >= {goal} at {latency} ms latency, settle {settle}",
+                        "measured": ", ".join(f"{name}: {ratio:.2f}" for name, ratio in ratios),
+                        "met": min(ratio for _, ratio in ratios) >= goal,
+                    }
+                )
     sizes = results["mirror"]
     if len(sizes) >= 2:
         small, large = sizes[0], sizes[-1]
@@ -452,118 +541,6 @@ def evaluate(results: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
     return targets
 
 
-def _cell(entry: Any, key: str = "records_per_s", fmt: str = "{:,.0f}") -> str:
-    if not isinstance(entry, dict):
-        return "-" if entry is None else str(entry)
-    if "error" in entry:
-        return "[red]failed[/red]"
-    return fmt.format(entry[key]) if key in entry else "-"
-
-
-def render(results: dict[str, Any], console: Console) -> None:
-    meta = results["meta"]
-    console.print(
-        f"[bold]delivery-engine benchmark[/bold]{' (quick)' if meta['quick'] else ''}: "
-        f"{meta['cores']} cores, Python {meta['python']}, prefect {meta['versions']['prefect']}, "
-        f"SQLAlchemy {meta['versions']['sqlalchemy']}, httpx {meta['versions']['httpx']}, "
-        f"psycopg {meta['versions']['psycopg']}, PostgreSQL {meta['postgresql'] or '-'}, "
-        f"SQLite {meta['sqlite']}; sandbox latency {meta['latency_ms']} ms, batch_size {meta['batch_size']}"
-    )
-    table = Table(title=f"Throughput, records/s ({meta['records']:,} creates; naive: {meta['naive_records']:,})")
-    for column in THROUGHPUT_HEADER:
-        table.add_column(column, justify="right")
-    for row in results["throughput"]:
-        table.add_row(
-            str(row["concurrency"]),
-            bare_text(row.get("bare")),
-            _cell(row.get("sqlite")),
-            _cell(row.get("sqlite"), "ratio", "{:.2f}"),
-            _cell(row.get("postgresql")),
-            _cell(row.get("postgresql"), "ratio", "{:.2f}"),
-            _cell(row.get("naive")),
-            _cell(row.get("naive"), "ratio", "{:.2f}"),
-        )
-    console.print(table)
-
-    cost = Table(title="Where an engine chain's time goes (seconds) and its SQL per record")
-    for column in (
-        "database",
-        "concurrency",
-        "total",
-        "batches",
-        "engine work",
-        "rule lock",
-        "Prefect other",
-        "SQL/record",
-        "commits/record",
-    ):
-        cost.add_column(column, justify="right")
-    for cost_row in cost_rows(results):
-        cost.add_row(*cost_row)
-    console.print(cost)
-
-    cpu = Table(title="Where the CPU went (machine busy = all cores; ms of CPU per record)")
-    for column in ("run", "concurrency", "records/s", "machine busy", "steal", "bench process", "sandbox target"):
-        cpu.add_column(column, justify="right")
-    for label in ("bare", "sqlite", "postgresql", "naive"):
-        for row in results["throughput"]:
-            entry = row.get(label)
-            if isinstance(entry, dict) and isinstance(entry.get("cpu"), dict):
-                usage = entry["cpu"]
-                busy = usage["machine_busy"]
-                cpu.add_row(
-                    label,
-                    str(row["concurrency"]),
-                    f"{entry['records_per_s']:,.0f}",
-                    "-" if busy is None else f"{busy:.0%}",
-                    "-" if usage.get("machine_steal") is None else f"{usage['machine_steal']:.0%}",
-                    f"{usage['own_cpu_ms_per_record']:.2f}",
-                    "-" if usage["target_cpu_ms_per_record"] is None else f"{usage['target_cpu_ms_per_record']:.2f}",
-                )
-    console.print(cpu)
-
-    if results["mirror"]:
-        sizes = Table(title=f"Mirror size (PostgreSQL): per-batch latency ({meta['batch_size']} rows), chain memory")
-        for column in (
-            "mirror rows",
-            "scan p50 ms",
-            "scan max ms",
-            "drain p50 ms",
-            "drain max ms",
-            "seq scan?",
-            "chain peak MiB",
-            "chain RSS growth MiB",
-            "chain rec/s (traced)",
-        ):
-            sizes.add_column(column, justify="right")
-        for size in results["mirror"]:
-            seq = size["scan"]["plan"]["seq_scan"] or size["drain"]["plan"]["seq_scan"]
-            sizes.add_row(
-                f"{size['rows']:,}",
-                f"{size['scan']['median_ms']:.2f}",
-                f"{size['scan']['max_ms']:.2f}",
-                f"{size['drain']['median_ms']:.2f}",
-                f"{size['drain']['max_ms']:.2f}",
-                "[red]yes[/red]" if seq else "no",
-                f"{size['chain']['tracemalloc_peak_mib']:.1f}",
-                str(size["chain"]["rss_peak_growth_mib"] if size["chain"]["rss_peak_growth_mib"] is not None else "-"),
-                f"{size['chain']['records_per_s_traced']:,.0f}",
-            )
-        console.print(sizes)
-
-    if results["targets"]:
-        targets = Table(title="Targets")
-        for column in ("target", "measured", "met"):
-            targets.add_column(column)
-        for target in results["targets"]:
-            met = "[green]yes[/green]" if target["met"] else "[red]no[/red]"
-            note = f" ({target['note']})" if "note" in target else ""
-            targets.add_row(target["target"], target["measured"], met + note)
-        console.print(targets)
-    for failure in results["errors"]:
-        console.print(f"[red]FAILED[/red] {failure['section']}: {failure['error']}")
-
-
 def metadata(args: argparse.Namespace) -> dict[str, Any]:
     import sqlite3
 
@@ -587,11 +564,15 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
             )
         },
         "sqlite": sqlite3.sqlite_version,
-        "postgresql": None if args.skip_postgres else pg.server_version(),
+        "postgresql": pg.server_version() if "postgresql" in args.db else None,
         "records": args.records,
         "naive_records": args.naive_records,
         "concurrency": args.concurrency,
-        "mirror_sizes": [] if args.skip_postgres else args.mirror_sizes,
+        "long_concurrency": args.long_concurrency,
+        "long_latency_ms": args.long_latency_ms,
+        "parts": args.parts,
+        "engines": [f"{label}/{settle}" for label in args.db for settle in args.settle],
+        "mirror_sizes": args.mirror_sizes if "mirror" in args.parts else [],
         "batch_size": args.batch_size,
         "latency_ms": args.latency_ms,
         "chain_records": args.chain_records,
@@ -611,26 +592,76 @@ def _harness() -> contextlib.AbstractContextManager[Any]:
     return prefect_test_harness(server_startup_timeout=120)
 
 
+def measure_profile(
+    profile: Profile,
+    sandbox: SandboxProcess,
+    databases: dict[str, str],
+    args: argparse.Namespace,
+    failures: Failures,
+    rows: list[dict[str, Any]],
+) -> None:
+    """At each of the profile's concurrencies: the bare client, the engine on each database in each
+    settle mode, the naive design (if asked), the bare client again; then the ratios."""
+    labels = [f"{label}/{settle}" for label in databases for settle in args.settle]
+    for c in profile.concurrency:
+        row: dict[str, Any] = {"profile": profile.name, "latency_ms": profile.latency_ms, "concurrency": c}
+        rows.append(row)
+        where = f"{profile.latency_ms} ms c={c}"
+        # The bare client runs before the engine and again after it (a fifth of the records), and
+        # the ratios are taken against the mean of the two, so that a machine whose speed drifts
+        # (CPU steal on a VM) biases neither side.
+        with failures.section(f"bare {where}"):
+            row["bare_before"] = run_bare(sandbox, args.records, c, "before")
+            log(f"bare {where}: {row['bare_before']['records_per_s']:,.0f} records/s")
+        if profile.engines:
+            for label, url in databases.items():
+                for settle in args.settle:
+                    key = f"{label}/{settle}"
+                    with failures.section(f"{key} {where}"):
+                        row[key] = run_engine(label, url, sandbox, args.records, c, args.batch_size, settle)
+                        log(f"{key} {where}: {row[key]['records_per_s']:,.0f} records/s")
+                    if key not in row:
+                        row[key] = {"error": True}
+        if profile.naive:
+            with failures.section(f"naive {where}"):
+                row["naive"] = run_naive(sandbox, args.naive_records, c)
+                log(f"naive {where}: {row['naive']['records_per_s']:,.0f} records/s")
+            if "naive" not in row:
+                row["naive"] = {"error": True}
+        with failures.section(f"bare {where} (again)"):
+            row["bare_after"] = run_bare(sandbox, max(args.records // 5, 50), c, "after")
+            log(f"bare {where} again: {row['bare_after']['records_per_s']:,.0f} records/s")
+        add_ratios(row, labels)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     failures = Failures()
     results: dict[str, Any] = {
         "meta": metadata(args),
-        "throughput": [{"concurrency": c} for c in args.concurrency],
+        "throughput": [],
         "empty_chain": {},
         "mirror": [],
         "targets": [],
         "errors": failures.items,
     }
     workdir = Path(tempfile.mkdtemp(prefix="delivery-bench-"))
-    sandbox = SandboxProcess(args.latency_ms, workdir / "sandbox.log")
-    databases: dict[str, str] = {"sqlite": f"sqlite:///{workdir / 'bench.db'}"}
+    # A sandbox per latency, each in its own process; the short profile's also serves the mirror section.
+    sandboxes = {
+        latency: SandboxProcess(latency, workdir / f"sandbox-{latency}ms.log")
+        for latency in dict.fromkeys([args.latency_ms, *(p.latency_ms for p in args.profiles)])
+    }
+    main_sandbox = sandboxes[args.latency_ms]
+    databases: dict[str, str] = {}
+    if "sqlite" in args.db:
+        databases["sqlite"] = f"sqlite:///{workdir / 'bench.db'}"
     created_postgres = False
     try:
         with failures.section("sandbox"):
-            sandbox.start()
-            log(f"sandbox on {sandbox.api}, latency {args.latency_ms} ms")
-        if not args.skip_postgres and not failures.items:
+            for sandbox in sandboxes.values():
+                sandbox.start()
+                log(f"sandbox on {sandbox.api}, latency {sandbox.latency_ms} ms")
+        if "postgresql" in args.db and not failures.items:
             with failures.section("postgresql database"):
                 created_postgres = True
                 databases["postgresql"] = pg.create_database(E2E_DATABASE)
@@ -640,40 +671,24 @@ def main(argv: list[str] | None = None) -> int:
         log("starting the Prefect API (test harness)")
         with _harness():
             log("Prefect API up")
-            for label, url in databases.items():
-                with failures.section(f"{label}: setup"):
-                    prepare_e2e_database(label, url, sandbox, args.records)
-                    results["empty_chain"][label] = run_empty_chain(label, url, sandbox, 1 if args.quick else 3)
-                    log(f"{label}: empty chain {results['empty_chain'][label]}")
-            for row in results["throughput"]:
-                c = row["concurrency"]
-                # The bare client runs before the engine and again after it (a fifth of the records),
-                # and the ratios are taken against the mean of the two, so that a machine whose speed
-                # drifts (CPU steal on a VM) biases neither side.
-                with failures.section(f"bare c={c}"):
-                    row["bare_before"] = run_bare(sandbox, args.records, c, "before")
-                    log(f"bare c={c}: {row['bare_before']['records_per_s']:,.0f} records/s")
+            if any(profile.engines for profile in args.profiles):
                 for label, url in databases.items():
-                    with failures.section(f"{label} c={c}"):
-                        row[label] = run_engine(label, url, sandbox, args.records, c, args.batch_size)
-                        log(f"{label} c={c}: {row[label]['records_per_s']:,.0f} records/s")
-                    if label not in row:
-                        row[label] = {"error": True}
-                with failures.section(f"naive c={c}"):
-                    row["naive"] = run_naive(sandbox, args.naive_records, c)
-                    log(f"naive c={c}: {row['naive']['records_per_s']:,.0f} records/s")
-                if "naive" not in row:
-                    row["naive"] = {"error": True}
-                with failures.section(f"bare c={c} (again)"):
-                    row["bare_after"] = run_bare(sandbox, max(args.records // 5, 50), c, "after")
-                    log(f"bare c={c} again: {row['bare_after']['records_per_s']:,.0f} records/s")
-                add_ratios(row)
-            if not args.skip_postgres:
+                    with failures.section(f"{label}: setup"):
+                        prepare_e2e_database(label, url, main_sandbox, args.records)
+                        results["empty_chain"][label] = run_empty_chain(
+                            label, url, main_sandbox, 1 if args.quick else 3
+                        )
+                        log(f"{label}: empty chain {results['empty_chain'][label]}")
+            for profile in args.profiles:
+                measure_profile(
+                    profile, sandboxes[profile.latency_ms], databases, args, failures, results["throughput"]
+                )
+            if "mirror" in args.parts:
                 db.dispose_engines()
                 for n in args.mirror_sizes:
                     with failures.section(f"mirror {n}"):
                         results["mirror"].append(
-                            run_mirror_size(n, sandbox, args.batch_size, args.chain_records, max(args.concurrency))
+                            run_mirror_size(n, main_sandbox, args.batch_size, args.chain_records, max(args.concurrency))
                         )
     except SystemExit:
         pass
@@ -681,7 +696,8 @@ def main(argv: list[str] | None = None) -> int:
         failures.items.append({"section": "run", "error": f"{type(exc).__name__}: {exc}", "traceback": ""})
         log(f"FAILED: {type(exc).__name__}: {exc}")
     finally:
-        sandbox.stop()
+        for sandbox in sandboxes.values():
+            sandbox.stop()
         db.dispose_engines()
         if created_postgres:
             for name in (E2E_DATABASE, MIRROR_DATABASE):
@@ -694,9 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     results["meta"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    render(results, console)
-    console.print(f"JSON: {args.json}   total {results['meta']['seconds']} s")
+    sys.stdout.write(markdown(results))
+    sys.stdout.write(f"\nJSON: {args.json}   total {results['meta']['seconds']} s\n")
     return 1 if failures.items else 0
 
 

@@ -12,8 +12,8 @@ import yaml
 from bench import mirror
 from bench.target import SandboxProcess
 from delivery import db
+from delivery.apply import apply_config
 from delivery.config import parse_config
-from delivery.store import catalog
 
 
 def use_database(url: str) -> sa.Engine:
@@ -23,14 +23,24 @@ def use_database(url: str) -> sa.Engine:
     return db.shared_engine()
 
 
+#: The target connection `apply` always declares (the sandbox given to it, settled in groups).
+SANDBOX = "sandbox"
+
+
 def rule_entry(
-    name: str, source: str, collection: str, batch: int, concurrency: int, overlap: int = 300
+    name: str,
+    source: str,
+    collection: str,
+    batch: int,
+    concurrency: int,
+    overlap: int = 300,
+    target: str = SANDBOX,
 ) -> dict[str, Any]:
     return {
         "name": name,
         "source": source,
         "domain": mirror.DOMAIN,
-        "target": "sandbox",
+        "target": target,
         "collection": collection,
         "batch_size": batch,
         "concurrency": concurrency,
@@ -38,16 +48,26 @@ def rule_entry(
     }
 
 
-def apply(engine: sa.Engine, sandbox: SandboxProcess, source: str, rules: list[dict[str, Any]]) -> None:
+def target_connection(name: str, sandbox: SandboxProcess, settle: str = "grouped") -> dict[str, Any]:
+    """A `rest` connection to `sandbox` whose chains settle `settle` (`grouped` or `per_record`)."""
+    return {"name": name, "driver": "rest", "base_url": sandbox.api, "timeout_seconds": 10, "settle": settle}
+
+
+def apply(
+    engine: sa.Engine,
+    sandbox: SandboxProcess,
+    source: str,
+    rules: list[dict[str, Any]],
+    targets: list[dict[str, Any]] | None = None,
+) -> None:
+    """Upsert the `sandbox` connection (grouped settles), the `targets` given (`target_connection`),
+    the source and the rules."""
     config = {
-        "connections": [
-            {"name": "sandbox", "driver": "rest", "base_url": sandbox.api, "timeout_seconds": 10},
-            {"name": source},
-        ],
+        "connections": [target_connection(SANDBOX, sandbox), *(targets or []), {"name": source}],
         "rules": rules,
     }
     with engine.begin() as conn:
-        catalog.apply_config(conn, parse_config(yaml.safe_dump(config), "bench config"))
+        apply_config(conn, parse_config(yaml.safe_dump(config), "bench config"))
 
 
 def records(prefix: str, n: int) -> list[tuple[str, dict[str, Any]]]:

@@ -13,8 +13,9 @@ class Transition(enum.StrEnum):
     RECOVERED = "delivery.rule.recovered"
 
 
-#: The chain ends that say something about the rule itself. A superseded or disabled chain, a
-#: closed route or an open breaker (not a rule fault, ADR-0029) neither fails nor clears a rule.
+#: The chain ends that say something about the rule itself. A superseded, disabled or cancelled
+#: chain (stopped by a person or by Prefect), a closed route or an open breaker (not a rule fault,
+#: ADR-0029) neither fails nor clears a rule.
 TELLING = frozenset({ChainEnd.CAUGHT_UP, ChainEnd.RULE_FAULT})
 
 

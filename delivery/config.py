@@ -4,13 +4,23 @@ has no writer, or whose policy needs a verb the writer's type lacks, is refused.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from delivery.domain import ConnectionStatus, Policy
+from delivery.domain import (
+    BreakerSettings,
+    ConnectionSpec,
+    ConnectionStatus,
+    Policy,
+    RuleSpec,
+    SavedRule,
+    SettleMode,
+    text_problem,
+)
 from delivery.errors import ConfigError
 from delivery.writers.base import verbs_of
 from delivery.writers.registry import find_writer, registered_drivers
@@ -34,9 +44,35 @@ class ConnectionConfig(_Strict):
     status: ConnectionStatus | None = None
     base_url: str | None = Field(default=None, max_length=2000, pattern=r"^https?://[^\s]+$")
     token_env: str | None = Field(default=None, max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    # A Prefect Secret block's name (Prefect allows lowercase letters, digits and dashes).
+    token_secret: str | None = Field(default=None, max_length=200, pattern=r"^[a-z0-9][a-z0-9-]*$")
     timeout_seconds: float = Field(default=10.0, gt=0, le=600)
     id_field: str = Field(default="id", min_length=1, max_length=200)
     breaker: BreakerConfig = BreakerConfig()
+    # As a target: how chains commit the ledger writes of what they deliver to it (see SettleMode).
+    settle: SettleMode = SettleMode.GROUPED
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> ConnectionConfig:
+        # Two sources would leave it to the engine to pick one, and an operator rotating one of
+        # them would not know whether it counts.
+        if self.token_env is not None and self.token_secret is not None:
+            raise ValueError("token_env and token_secret: name one of them, not both")
+        return self
+
+    def spec(self) -> ConnectionSpec:
+        return ConnectionSpec(
+            name=self.name,
+            driver=self.driver,
+            status=self.status,
+            base_url=self.base_url,
+            token_env=self.token_env,
+            timeout_seconds=self.timeout_seconds,
+            id_field=self.id_field,
+            breaker=BreakerSettings(self.breaker.fail_max, self.breaker.reset_seconds),
+            token_secret=self.token_secret,
+            settle=self.settle,
+        )
 
 
 class RuleConfig(_Strict):
@@ -62,6 +98,23 @@ class RuleConfig(_Strict):
         if value is not None and not value:
             raise ValueError("must map at least one field, or be left out to send the whole payload")
         return value
+
+    def spec(self) -> RuleSpec:
+        return RuleSpec(
+            name=self.name,
+            source=self.source,
+            domain=self.domain,
+            target=self.target,
+            collection=self.collection,
+            policy=self.policy,
+            batch_size=self.batch_size,
+            overlap_seconds=self.overlap_seconds,
+            max_attempts=self.max_attempts,
+            retry_schedule_seconds=tuple(self.retry_schedule_seconds),
+            fields=self.fields,
+            enabled=self.enabled,
+            concurrency=self.concurrency,
+        )
 
 
 class DeliveryConfig(_Strict):
@@ -90,6 +143,9 @@ def parse_config(text: str, origin: str = "config") -> DeliveryConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError([f"{origin}: the top level must be a mapping with 'connections' and 'rules'"])
+    unstorable = _unstorable_text(data, ())
+    if unstorable:
+        raise ConfigError(unstorable)
     try:
         config = DeliveryConfig.model_validate(data)
     except ValidationError as exc:
@@ -100,6 +156,37 @@ def parse_config(text: str, origin: str = "config") -> DeliveryConfig:
         raise ConfigError(problems) from exc
     _check_unique_names(config)
     return config
+
+
+def check_text(config: DeliveryConfig) -> None:
+    """Refuse a config holding text SQLite and PostgreSQL would not store alike, for a config
+    built without `parse_config` (which checks the file's own text first)."""
+    problems = _unstorable_text(config.model_dump(), ())
+    if problems:
+        raise ConfigError(problems)
+
+
+def _unstorable_text(value: Any, loc: tuple[int | str, ...]) -> list[str]:
+    """Every string, key or value, that SQLite and PostgreSQL would not store alike: YAML's "\\0"
+    or "\\ud800" escapes make a NUL or a lone surrogate, which no pattern or length check refuses
+    (a `domain` or a `fields` entry takes any text)."""
+    problems = []
+    if isinstance(value, str):
+        problem = text_problem(value)
+        if problem is not None:
+            problems.append(f"{_location(loc)}: {problem}")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            problem = text_problem(key) if isinstance(key, str) else None
+            if problem is not None:
+                # The key itself is left out of the path: it would print the character.
+                problems.append(f"{_location(loc)}: a key {problem}")
+            else:
+                problems.extend(_unstorable_text(item, (*loc, str(key))))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            problems.extend(_unstorable_text(item, (*loc, index)))
+    return problems
 
 
 def _check_unique_names(config: DeliveryConfig) -> None:
@@ -128,10 +215,14 @@ def load_config(path: Path) -> DeliveryConfig:
     return parse_config(text, str(path))
 
 
-def check_rules(config: DeliveryConfig, known_connections: dict[str, str | None]) -> None:
+def check_rules(
+    config: DeliveryConfig, known_connections: dict[str, str | None], saved_rules: Iterable[SavedRule] = ()
+) -> None:
     """Cross-checks that need the connections: referenced names exist, and the target's writer
     offers every verb the policy needs. `known_connections` maps name -> driver, the file's
-    connections overriding the database's."""
+    connections overriding the database's. `saved_rules` are the rules already in the database:
+    the file's connections can change the driver under them, so each one whose target the file
+    declares (and that the file does not re-declare itself) is checked against the result too."""
     problems = []
     for index, rule in enumerate(config.rules):
         where = f"rules[{index}]"
@@ -154,6 +245,7 @@ def check_rules(config: DeliveryConfig, known_connections: dict[str, str | None]
                 f"{where}.policy: rule {rule.name!r}: policy {rule.policy.value!r} needs the {verb.value!r} verb, "
                 f"which driver {driver!r} does not offer"
             )
+    problems.extend(_saved_rule_problems(config, known_connections, saved_rules))
     for index, connection in enumerate(config.connections):
         writer = find_writer(connection.driver)
         if writer is not None and writer.needs_base_url and not connection.base_url:
@@ -163,3 +255,36 @@ def check_rules(config: DeliveryConfig, known_connections: dict[str, str | None]
             )
     if problems:
         raise ConfigError(problems)
+
+
+def _saved_rule_problems(
+    config: DeliveryConfig, known_connections: dict[str, str | None], saved_rules: Iterable[SavedRule]
+) -> list[str]:
+    """A saved rule is only as valid as its target's driver: a file that re-declares that target
+    with another driver (or none, which writes null) is refused where it would break the rule,
+    at the connection's entry, since the saved rule has no place in the file."""
+    declared = {connection.name: index for index, connection in enumerate(config.connections)}
+    in_file = {rule.name for rule in config.rules}
+    problems = []
+    for saved in saved_rules:
+        if saved.name in in_file or saved.target not in declared:
+            continue
+        problem = _saved_rule_problem(saved, known_connections.get(saved.target))
+        if problem is not None:
+            problems.append(f"connections[{declared[saved.target]}].driver: {problem}")
+    return problems
+
+
+def _saved_rule_problem(saved: SavedRule, driver: str | None) -> str | None:
+    writer = find_writer(driver)
+    missing = sorted(saved.policy.verbs - (frozenset() if writer is None else verbs_of(writer)))
+    if not missing:
+        return None
+    verbs = " and ".join(repr(verb.value) for verb in missing)
+    needs = f"the {verbs} verb{'s' if len(missing) > 1 else ''} its policy {saved.policy.value!r} needs"
+    head = f"rule {saved.name!r} (saved) targets {saved.target!r}"
+    if driver is None:
+        return f"{head}, which the file declares without a driver, so no writer offers {needs}"
+    if writer is None:
+        return f"{head}, whose driver {driver!r} has no registered writer, so nothing offers {needs}"
+    return f"{head}, whose driver {driver!r} does not offer {needs}"

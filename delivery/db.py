@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -12,17 +15,50 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
-DATABASE_URL_ENV = "DELIVERY_DATABASE_URL"
-DEFAULT_URL = "sqlite:///delivery.db"
+from delivery.errors import DeliveryError, InputError
+from delivery.settings import Settings, env_name, settings
+
+DATABASE_URL_ENV = env_name("database_url")
+DEFAULT_URL: str = Settings.model_fields["database_url"].default
+
+#: The PostgreSQL advisory lock every process takes around migrations: b"delivery" read as a
+#: big-endian bigint, so it is the same key in every process and unlikely to be another
+#: application's.
+MIGRATION_LOCK_KEY = int.from_bytes(b"delivery", "big")
 
 
 def database_url() -> str:
     """`DELIVERY_DATABASE_URL`, or a SQLite file `delivery.db` in the working directory."""
-    url = os.environ.get(DATABASE_URL_ENV) or DEFAULT_URL
+    url = settings().database_url
     # Plain postgresql:// would pick psycopg2, which we do not ship.
     if url.startswith("postgresql://") or url.startswith("postgres://"):
         url = "postgresql+psycopg://" + url.split("://", 1)[1]
     return url
+
+
+#: How long SQLite lets a writer wait for another one, and how long a new connection keeps trying
+#: to switch a new file to WAL.
+SQLITE_BUSY_SECONDS = 30
+
+
+def _switch_to_wal(cursor: sqlite3.Cursor) -> None:
+    """Switching a file that is not yet in WAL (a new database) takes an exclusive lock, and SQLite
+    refuses it at once, without its busy handler, while another connection holds the write lock
+    (waiting could deadlock). That happens when several processes first use one new file
+    together: the one migrating holds the write lock. So try again until it is free; once the
+    file is in WAL, the switch is a no-op that needs no lock."""
+    deadline = time.monotonic() + SQLITE_BUSY_SECONDS
+    pause = 0.005
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            busy = exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY  # extended codes keep it in the low byte
+            if not busy or time.monotonic() >= deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
 
 
 def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -30,10 +66,10 @@ def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     # a second writer wait instead of failing at once with "database is locked".
     dbapi_connection.isolation_level = None  # we emit BEGIN ourselves, see _sqlite_begin
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_SECONDS * 1000}")
+    _switch_to_wal(cursor)
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute("PRAGMA busy_timeout=30000")
     cursor.close()
 
 
@@ -51,6 +87,10 @@ def _sqlite_begin(conn: sa.Connection) -> None:
 POOL_OPTIONS = {"pool_size": 10, "max_overflow": 64}
 
 
+#: Seconds to open a PostgreSQL connection (a `connect_timeout` in the URL wins).
+CONNECT_TIMEOUT_SECONDS = 10
+
+
 def create_engine(url: str | None = None) -> sa.Engine:
     url = url or database_url()
     if url.startswith("sqlite"):
@@ -62,7 +102,49 @@ def create_engine(url: str | None = None) -> sa.Engine:
         sa.event.listen(engine, "connect", _on_sqlite_connect)
         sa.event.listen(engine, "begin", _sqlite_begin)
         return engine
-    return sa.create_engine(url, pool_pre_ping=True, **POOL_OPTIONS)
+    # libpq waits for the operating system's TCP timeout (minutes) on a host that never answers:
+    # a command or a chain should say the database is unreachable well before that.
+    connect = {} if "connect_timeout" in sa.make_url(url).query else {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
+    return sa.create_engine(url, pool_pre_ping=True, connect_args=connect, **POOL_OPTIONS)
+
+
+class DatabaseUrlError(InputError):
+    """The database URL names a database the engine cannot open (a SQLite file in a directory that
+    does not exist, a file that is no database): fix the URL. Exit 2 on the command line."""
+
+
+class DatabaseUnavailable(DeliveryError):
+    """The database server did not take the connection (down, unreachable, or it refused the user
+    or the database). The command fails (exit 1): nothing was asked of it that was wrong, and the
+    same command works once the server takes connections."""
+
+
+def _reason(exc: sa.exc.DBAPIError, password: str | None) -> str:
+    # The driver's first line says it all ("connection to server at ... failed: Connection refused");
+    # a password never appears in libpq's messages, but a driver that echoed the DSN would show it.
+    reason = str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else type(exc.orig).__name__
+    reason = reason.removeprefix("connection failed: ")
+    return reason.replace(password, "***") if password else reason
+
+
+def check_connection(engine: sa.Engine, origin: str = DATABASE_URL_ENV) -> None:
+    """Connect once, and say in one line why that failed, naming `origin` (where the URL came
+    from) and the URL with its password masked, instead of a driver's traceback."""
+    try:
+        with engine.connect():
+            return
+    except sa.exc.DBAPIError as exc:
+        url = engine.url
+        reason = _reason(exc, url.password)
+        if url.get_backend_name() == "sqlite":
+            directory = Path(url.database or ".").parent
+            if not directory.is_dir():
+                reason = f"its directory {directory} does not exist"
+            raise DatabaseUrlError(f"{origin}: the SQLite database {url.database} cannot be opened: {reason}") from None
+        shown = url.render_as_string(hide_password=True)
+        if isinstance(exc, sa.exc.OperationalError):
+            raise DatabaseUnavailable(f"{origin}: cannot connect to {shown}: {reason}") from None
+        raise DatabaseUrlError(f"{origin}: {shown} cannot be used: {reason}") from None
 
 
 def migrations_dir() -> Path:
@@ -89,12 +171,39 @@ def head_revision(engine: sa.Engine) -> str | None:
     return ScriptDirectory.from_config(alembic_config(engine)).get_current_head()
 
 
+@contextmanager
+def _migration_lock(engine: sa.Engine) -> Iterator[None]:
+    """Serialise migrations between processes. On PostgreSQL two processes migrating an empty
+    database at once both create `alembic_version` and one fails on a duplicate key, so they take
+    a session-level advisory lock. It is held on a connection of its own in autocommit, so that
+    connection never sits idle in a transaction while Alembic migrates on another one. SQLite needs
+    nothing: Alembic's transaction begins with BEGIN IMMEDIATE (`_sqlite_begin`), so the file's
+    write lock already lets one process in at a time and the next finds the schema at head."""
+    if engine.dialect.name != "postgresql":
+        yield
+        return
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+        try:
+            yield
+        finally:
+            # Unlock so the pooled connection goes back clean. If the session died, its end has
+            # released the lock already, and the migration's own error is the one to report.
+            with suppress(sa.exc.SQLAlchemyError):
+                conn.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": MIGRATION_LOCK_KEY})
+
+
 def upgrade(engine: sa.Engine) -> None:
-    command.upgrade(alembic_config(engine), "head")
+    """Bring the schema to head, one process at a time: a process that waited for another one's
+    migration re-checks the revision once it holds the lock, and then does nothing."""
+    with _migration_lock(engine):
+        if current_revision(engine) != head_revision(engine):
+            command.upgrade(alembic_config(engine), "head")
 
 
 def ensure_schema(engine: sa.Engine) -> None:
-    """Migrate on first use, so a new user never needs a separate step."""
+    """Migrate on first use, so a new user never needs a separate step. The unlocked look first
+    keeps the everyday case (already at head) free of the lock."""
     if current_revision(engine) != head_revision(engine):
         upgrade(engine)
 
@@ -104,9 +213,15 @@ _engines: dict[str, sa.Engine] = {}
 
 def shared_engine(url: str | None = None) -> sa.Engine:
     """One engine (one pool) per database per process, migrated on first use."""
+    origin = DATABASE_URL_ENV if url is None else "database URL"
     url = url or database_url()
     if url not in _engines:
         engine = create_engine(url)
+        try:
+            check_connection(engine, origin)
+        except DeliveryError:
+            engine.dispose()
+            raise
         ensure_schema(engine)
         _engines[url] = engine
     return _engines[url]

@@ -10,13 +10,16 @@
     │   ├── UnsupportedDeliveryVerb       the writer's type lacks the verb the rule needs
     │   ├── LedgerRowConflict             a ledger row exists where the scan said there was none
     │   ├── UnexpectedCandidate           a mirror row the scan/drain should never have returned
-    │   └── MissingCredential             token_env names an unset variable (ours, beyond the six:
+    │   └── MissingCredential             token_env names an unset variable, or token_secret a Prefect
+    │                                     Secret block that is missing or empty (ours, beyond the six:
     │                                     every record would be refused alike)
     └── RecordFault                     parks one record in its ledger row; the job carries on
         ├── TargetUnavailable             timeout, connection error, 5xx, 429: counts for the breaker
         ├── RecordRejected                any other 4xx about this record
         ├── RemoteGone                    an update answered 404/410
-        └── Unaddressable                 a create answered 2xx with no usable id
+        ├── Unaddressable                 a create answered 2xx with no usable id
+        └── UnsendablePayload             the writer cannot encode this record's body (e.g. NaN):
+                                          exhausted at once, a retry would meet it again
 
 Route closed and breaker open are not here on purpose: they are `ChainEnd` results, because the
 step did what the situation called for and a later chain resumes by itself.
@@ -80,8 +83,18 @@ class UnexpectedCandidate(RuleFault):
 
 
 class MissingCredential(RuleFault):
-    def __init__(self, rule: str, connection: str, variable: str) -> None:
-        super().__init__(f"rule {rule!r}: target {connection!r} takes its token from ${variable}, which is not set")
+    def __init__(
+        self,
+        rule: str,
+        connection: str,
+        variable: str | None = None,
+        *,
+        block: str | None = None,
+        why: str = "which does not exist or holds no value",
+    ) -> None:
+        # Names where the token should come from, never a value.
+        where = f"the Prefect Secret block {block!r}, {why}" if block is not None else f"${variable}, which is not set"
+        super().__init__(f"rule {rule!r}: target {connection!r} takes its token from {where}")
 
 
 class RecordFault(DeliveryError):
@@ -106,3 +119,8 @@ class RemoteGone(RecordFault):
 
 class Unaddressable(RecordFault):
     """The create went through but nothing addresses the result: a retry would make a second copy."""
+
+
+class UnsendablePayload(RecordFault):
+    """The writer cannot encode this record's body for the target (for JSON: NaN, Infinity, a value
+    of no JSON type). No request went out; a retry would meet the same body again."""

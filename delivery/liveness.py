@@ -47,6 +47,8 @@ class Holder:
     host: str | None
     pid: int | None
     heartbeat_at: datetime
+    #: The holder's Prefect flow run, so a waiter can name it in the run's log.
+    flow_run_id: str | None = None
 
 
 def holder_is_dead(
@@ -68,7 +70,14 @@ def lock_holders(engine: sa.Engine, rule_id: int) -> list[Holder]:
 
 
 def _holder(row: dict[str, Any]) -> Holder:
-    return Holder(row["token"], row["lease_id"], row["holder_host"], row["holder_pid"], row["heartbeat_at"])
+    return Holder(
+        row["token"],
+        row["lease_id"],
+        row["holder_host"],
+        row["holder_pid"],
+        row["heartbeat_at"],
+        row.get("flow_run_id"),
+    )
 
 
 def record_lock(engine: sa.Engine, token: str, lease_id: str | None) -> None:
@@ -76,6 +85,13 @@ def record_lock(engine: sa.Engine, token: str, lease_id: str | None) -> None:
         chains.record_lock(
             conn, token, lease_id, this_host() if lease_id else None, os.getpid() if lease_id else None, utcnow()
         )
+
+
+def beat(engine: sa.Engine, token: str) -> None:
+    """A chain waiting for the rule lock is alive: the tick must not judge it dead, and the chain
+    holding the lock hands the rule over to it (`Chain.run_batch`)."""
+    with engine.begin() as conn:
+        chains.heartbeat(conn, token, utcnow())
 
 
 def supersede(engine: sa.Engine, rule_id: int, token: str, message: str) -> None:

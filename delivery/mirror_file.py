@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from delivery.domain import EXTERNAL_ID_MAX, MirrorInput, payload_problem, text_problem
 from delivery.errors import InputError, MirrorLoadError
-from delivery.store.mirror import MirrorInput
 
 _KEYS = {"id", "payload", "deleted"}
 
@@ -18,6 +19,11 @@ def parse_line(number: int, line: str) -> MirrorInput:
         data: Any = json.loads(line)
     except json.JSONDecodeError as exc:
         raise MirrorLoadError(number, f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
+    except ValueError as exc:
+        # Python refuses to read an integer of more than 4300 digits (a guard against slow parsing).
+        raise MirrorLoadError(number, f"a number has more than {sys.get_int_max_str_digits()} digits") from exc
+    except RecursionError:
+        raise MirrorLoadError(number, "arrays or objects are nested too deeply to read") from None
     if not isinstance(data, dict):
         raise MirrorLoadError(number, "must be a JSON object with 'id' and 'payload'")
     unknown = sorted(set(data) - _KEYS)
@@ -25,12 +31,18 @@ def parse_line(number: int, line: str) -> MirrorInput:
         raise MirrorLoadError(number, f"unknown key(s) {', '.join(unknown)}; allowed: deleted, id, payload")
     external_id = data.get("id")
     if isinstance(external_id, bool) or not isinstance(external_id, (str, int)) or str(external_id).strip() == "":
-        raise MirrorLoadError(number, "'id' must be a non-empty string")
-    if len(str(external_id)) > 500:
-        raise MirrorLoadError(number, "'id' is longer than 500 characters")
+        raise MirrorLoadError(number, "'id' must be a non-empty string or an integer")
+    problem = text_problem(str(external_id), EXTERNAL_ID_MAX)
+    if problem is not None:
+        raise MirrorLoadError(number, f"'id' {problem}")
     payload = data.get("payload")
     if not isinstance(payload, dict):
         raise MirrorLoadError(number, "'payload' must be a JSON object")
+    # json.loads takes NaN, Infinity and 1e400 (which overflows to inf), and "\u0000" and a lone
+    # "\ud800": no target can be sent the first ones, PostgreSQL cannot store the others.
+    problem = payload_problem(payload)
+    if problem is not None:
+        raise MirrorLoadError(number, problem)
     deleted = data.get("deleted", False)
     if not isinstance(deleted, bool):
         raise MirrorLoadError(number, "'deleted' must be true or false")

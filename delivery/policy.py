@@ -1,4 +1,6 @@
-"""Pure decisions: which verb a ledger row calls for, and when a failed record is tried next."""
+"""Pure decisions: whether a rule may deliver now, where its scan starts, which verb a ledger row
+calls for, where a record's outcome goes (ADR-0029's record-fault table), and when a failed record
+is tried next."""
 
 from __future__ import annotations
 
@@ -8,16 +10,81 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from delivery.domain import LedgerRow, Verb
+from delivery.digest import canonical_digest
+from delivery.domain import (
+    ChainEnd,
+    Connection,
+    ConnectionStatus,
+    Cursor,
+    LedgerRow,
+    LedgerStatus,
+    Outcome,
+    Rule,
+    Verb,
+)
+from delivery.errors import (
+    RecordFault,
+    RecordRejected,
+    RemoteGone,
+    TargetUnavailable,
+    Unaddressable,
+    UnsendablePayload,
+)
 
 #: Retry-After values beyond this are treated as this: one day (the issue's cap).
 RETRY_AFTER_CAP_SECONDS = 86_400
+
+
+def gate(rule: Rule) -> tuple[ChainEnd, str] | None:
+    """The health gate: why the rule may not deliver now (disabled, or its route closed: the source
+    or the target connection is not active), or None when it may."""
+    if not rule.enabled:
+        return ChainEnd.DISABLED, f"rule {rule.name!r} is disabled"
+    closed = closed_connection(rule)
+    if closed is not None:
+        role, connection = closed
+        return (
+            ChainEnd.ROUTE_CLOSED,
+            f"route closed: {role} connection {connection.name!r} is {connection.status.value}",
+        )
+    return None
+
+
+def closed_connection(rule: Rule) -> tuple[str, Connection] | None:
+    """What closes the rule's route, as (role, connection): its source or target when that is not
+    active, the source first. None: the route is open (whether the rule is enabled or not)."""
+    for role, connection in (("source", rule.source), ("target", rule.target)):
+        if connection.status is not ConnectionStatus.ACTIVE:
+            return role, connection
+    return None
+
+
+def scan_start(rule: Rule) -> Cursor | None:
+    """Where a chain's scan begins: the cursor less the overlap window, which catches changes that
+    committed late with a change signal just behind the cursor."""
+    if rule.cursor is None:
+        return None
+    return Cursor(rule.cursor.changed_at - timedelta(seconds=rule.overlap_seconds), -1)
 
 
 def choose_verb(ledger: LedgerRow | None) -> Verb:
     """ADR-0015: a row holding a remote id means update by it; anything else means create.
     Nothing asks the target."""
     return Verb.UPDATE if ledger is not None and ledger.remote_id else Verb.CREATE
+
+
+def create_may_be_a_replay(row: LedgerRow | None, digest: str) -> bool:
+    """Whether a create about to carry the body `digest` may be answered with an older body.
+
+    The row's `create_fingerprint` is the digest of the first body sent under its current
+    Idempotency-Key, written before that body went out; a target honouring the key keeps the first
+    body it received. Another digest there means the answer may hold that older body. A row from
+    before those digests were kept that has been attempted already cannot tell, so it counts too."""
+    if row is None or row.remote_id:
+        return False
+    if row.create_fingerprint is None:
+        return row.attempts > 0
+    return row.create_fingerprint != digest
 
 
 def next_attempt_at(
@@ -45,14 +112,88 @@ def map_payload(payload: Mapping[str, Any], fields: Mapping[str, str] | None) ->
 
 def fingerprint(body: Mapping[str, Any]) -> str:
     """A stable digest of a mapped payload, to suppress writes that would change nothing."""
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return canonical_digest(body)
 
 
-def idempotency_key(rule: str, external_id: str, generation: int) -> str:
+def idempotency_key(rule: str, external_id: str, generation: int, epoch: int = 0) -> str:
     """The same for every retry of one create (even after a crash between the target's answer and
-    our ledger write, since nothing needs storing first); new when an operator requeues a
-    `remote_gone` row, which bumps the generation. Built from names, not database ids, so a
-    rebuilt database cannot hand one record's key to another."""
-    raw = json.dumps(["delivery", rule, external_id, generation])
-    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+    our ledger write); new when an operator requeues a `remote_gone` row, which bumps the
+    generation, and new for every record once the rule's source or domain changes, which moves
+    the epoch (a record `c-1` of the new source is not the old source's `c-1`). Built from names,
+    not database ids, so a rebuilt database cannot hand one record's key to another. Epoch 0 keeps
+    the form keys had before epochs existed, so creates in flight across an upgrade keep theirs."""
+    parts: list[object] = ["delivery", rule, external_id, generation]
+    if epoch:
+        parts.append(epoch)
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+
+
+# -- where a record's outcome goes ------------------------------------------------------------------
+
+
+def parked(row: LedgerRow | None, status: LedgerStatus, **changes: Any) -> Outcome:
+    """An outcome that is not a delivery: the row keeps what addresses the record and what was
+    last delivered, unless `changes` say otherwise."""
+    kept: dict[str, Any] = {
+        "remote_id": row.remote_id if row else None,
+        "fingerprint": row.fingerprint if row else None,
+        "create_generation": row.create_generation if row else 0,
+    }
+    return Outcome(status, **{**kept, **changes})
+
+
+def delivered(row: LedgerRow | None, remote_id: str | None, digest: str, note: str | None = None) -> Outcome:
+    """The target took the write: attempts reset, the error cleared (or a `note` kept)."""
+    return Outcome(
+        LedgerStatus.DELIVERED,
+        remote_id=remote_id,
+        fingerprint=digest,
+        create_generation=row.create_generation if row else 0,
+        last_error=note,
+    )
+
+
+def after_fault(
+    row: LedgerRow | None,
+    fault: RecordFault,
+    *,
+    message: str,
+    max_attempts: int,
+    schedule: Sequence[int],
+    now: datetime,
+    remote_id: str | None = None,
+) -> Outcome:
+    """Where a record fault puts the record's ledger row (ADR-0029). `message` is the fault as the
+    row will show it (already cut and cleaned of secrets); `remote_id` is an id the write got
+    before failing (a create whose follow-up update failed), kept so the next attempt updates it."""
+    attempts = (row.attempts if row else 0) + 1
+    kept: dict[str, Any] = {}
+    if remote_id is not None:
+        kept["remote_id"] = remote_id
+        if row is None or row.remote_id != remote_id:
+            kept["fingerprint"] = None  # what the target holds is not known to be ours yet
+    if isinstance(fault, RemoteGone):
+        return parked(row, LedgerStatus.REMOTE_GONE, attempts=attempts, last_error=message, **kept)
+    if isinstance(fault, (Unaddressable, UnsendablePayload)):
+        # Unaddressable: the record now exists in the target, and a second attempt would make a
+        # second copy. Unsendable: a retry would meet the very same body.
+        return parked(row, LedgerStatus.EXHAUSTED, attempts=attempts, last_error=message, **kept)
+    if not isinstance(fault, (TargetUnavailable, RecordRejected)):
+        raise TypeError(f"no outcome is defined for {type(fault).__name__}")
+    if attempts >= max_attempts:
+        return parked(
+            row,
+            LedgerStatus.EXHAUSTED,
+            attempts=attempts,
+            last_error=f"gave up after {attempts} attempt{'' if attempts == 1 else 's'}: {message}",
+            **kept,
+        )
+    retry_after = fault.retry_after_seconds if isinstance(fault, TargetUnavailable) else None
+    return parked(
+        row,
+        LedgerStatus.FAILED,
+        attempts=attempts,
+        next_attempt_at=next_attempt_at(now, attempts, schedule, retry_after),
+        last_error=message,
+        **kept,
+    )

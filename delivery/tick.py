@@ -1,24 +1,38 @@
 """What one tick decides: for every enabled rule, leave an alive chain alone, judge a silent one
-dead, and start a chain where none is alive. Starting and cancelling are the flows' business."""
+dead, and start a chain where none is alive and there is something to do. Starting and cancelling
+are the flows' business."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 import sqlalchemy as sa
 
-from delivery.store import catalog, chains
-
-DEAD_AFTER_ENV = "DELIVERY_DEAD_CHAIN_MINUTES"
-DEFAULT_DEAD_AFTER_MINUTES = 15.0
+from delivery import policy
+from delivery.domain import Rule
+from delivery.settings import settings
+from delivery.store import catalog, chains, ledger
+from delivery.writers.base import verbs_of
+from delivery.writers.registry import find_writer
 
 
 def dead_after(minutes: float | None = None) -> timedelta:
     if minutes is None:
-        minutes = float(os.environ.get(DEAD_AFTER_ENV) or DEFAULT_DEAD_AFTER_MINUTES)
+        minutes = settings().dead_chain_minutes
     return timedelta(minutes=minutes)
+
+
+def run_name(rule: str, target: str) -> str:
+    """The name a chain's flow run carries in the UI (`RULE -> TARGET`), given when the run is
+    created so that the run list never shows a generated name."""
+    return f"{rule} -> {target}"
+
+
+def run_tags(rule: str, target: str) -> list[str]:
+    """The tags operators filter a rule's or a target's chains on."""
+    return [f"rule:{rule}", f"target:{target}"]
 
 
 @dataclass(frozen=True)
@@ -29,21 +43,66 @@ class DeadChain:
     flow_run_id: str | None
     silent_for: timedelta
 
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "chain_token": self.token,
+            "flow_run_id": self.flow_run_id,
+            "silent_seconds": round(self.silent_for.total_seconds(), 1),
+        }
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A rule that gets a new chain this tick."""
+
+    rule: str
+    target: str
+
+    @property
+    def run_name(self) -> str:
+        return run_name(self.rule, self.target)
+
+    @property
+    def tags(self) -> list[str]:
+        return run_tags(self.rule, self.target)
+
 
 @dataclass
 class TickPlan:
     alive: list[str] = field(default_factory=list)
     dead: list[DeadChain] = field(default_factory=list)
-    start: list[str] = field(default_factory=list)
+    start: list[Launch] = field(default_factory=list)
+    disabled: list[str] = field(default_factory=list)
+    #: Enabled rules with no chain alive and nothing to do: no chain, no flow run this tick.
+    idle: list[str] = field(default_factory=list)
+
+
+def misconfigured(rule: Rule) -> bool:
+    """No registered writer for the target's driver, or one lacking a verb the policy needs: a
+    chain would fail at once (ADR-0029), and it must, on every tick, idle or not, so that a broken
+    route never looks like a route with nothing to deliver. A registry lookup, no I/O."""
+    writer = find_writer(rule.target.driver)
+    return writer is None or not rule.policy.verbs <= verbs_of(writer)
+
+
+def has_work(conn: sa.Connection, rule: Rule, now: datetime) -> bool:
+    """Whether a chain started now would find anything: a failed row due by now (the drain's
+    first page) or a change from where its scan would start (the scan's). One row of each, both
+    index seeks: a few hundred idle rules cost a few hundred queries, not a few hundred processes."""
+    if ledger.drain_page(conn, rule, now, 1):
+        return True
+    return bool(ledger.scan_page(conn, rule, policy.scan_start(rule), 1))
 
 
 def plan_tick(conn: sa.Connection, now: datetime, threshold: timedelta) -> TickPlan:
     """A chain is alive while it has not ended and its heartbeat (written as each job starts, about
     once a second while it settles records, and at launch for a run still waiting for a worker) is
-    younger than `threshold`."""
+    younger than `threshold`. A rule with none alive gets a chain only when it has something to do
+    (`has_work`) or is misconfigured; otherwise it is idle this tick."""
     plan = TickPlan()
     for rule in catalog.list_rules(conn):
         if not rule.enabled:
+            plan.disabled.append(rule.name)
             continue
         alive = False
         for chain in chains.open_chains(conn, rule.id):
@@ -54,8 +113,10 @@ def plan_tick(conn: sa.Connection, now: datetime, threshold: timedelta) -> TickP
                 plan.dead.append(DeadChain(rule.name, rule.id, chain["token"], chain["flow_run_id"], silent))
         if alive:
             plan.alive.append(rule.name)
+        elif misconfigured(rule) or has_work(conn, rule, now):
+            plan.start.append(Launch(rule.name, rule.target.name))
         else:
-            plan.start.append(rule.name)
+            plan.idle.append(rule.name)
     return plan
 
 
@@ -66,3 +127,55 @@ def record_launch(conn: sa.Connection, rule: str, now: datetime) -> str:
 
 def attach_flow_run(conn: sa.Connection, token: str, flow_run_id: str) -> None:
     chains.attach_flow_run(conn, token, flow_run_id)
+
+
+@dataclass
+class TickOutcome:
+    """What a tick did, rule by rule (what `delivery tick --json` prints)."""
+
+    plan: TickPlan
+    started: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        plan = self.plan
+        text = (
+            f"{len(plan.start)} started, {len(plan.alive)} alive left alone, {len(plan.dead)} dead replaced, "
+            f"{len(plan.idle)} idle (nothing to do)"
+        )
+        return text + (f"; chains failed: {', '.join(self.failed)}" if self.failed else "")
+
+    def rules(self) -> list[dict[str, Any]]:
+        replaced: dict[str, list[dict[str, Any]]] = {}
+        for dead in self.plan.dead:
+            replaced.setdefault(dead.rule, []).append(dead.as_json())
+        rows: list[dict[str, Any]] = []
+        for launch in self.plan.start:
+            # A launch the tick did not get to (it was stopped first) is listed as not started.
+            started = self.started.get(launch.rule)
+            rows.append(
+                {
+                    "rule": launch.rule,
+                    "action": "started" if started else "not_started",
+                    "flow_run_name": launch.run_name,
+                    "chain_token": None,
+                    "flow_run_id": None,
+                    "chain_state": None,
+                    **(started or {}),
+                    "replaced": replaced.get(launch.rule, []),
+                }
+            )
+        rows += [{"rule": rule, "action": "alive", "replaced": replaced.get(rule, [])} for rule in self.plan.alive]
+        rows += [{"rule": rule, "action": "idle", "replaced": replaced.get(rule, [])} for rule in self.plan.idle]
+        rows += [{"rule": rule, "action": "disabled", "replaced": []} for rule in self.plan.disabled]
+        return rows
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "started": len(self.plan.start),
+            "alive": len(self.plan.alive),
+            "dead_replaced": len(self.plan.dead),
+            "idle": len(self.plan.idle),
+            "failed": list(self.failed),
+            "rules": self.rules(),
+        }

@@ -1,58 +1,102 @@
-"""The alert hook: two Prefect automations that notify through a notification block an operator
-chose, once when a rule starts failing and once when it recovers (events from `deliver-rule`)."""
+"""The alerts: Prefect automations kept as files in `automations/*.yaml`, one automation per file,
+that `delivery alerts install --block TYPE/NAME` creates or updates in place (by name).
+
+Each file is an automation as Prefect loads it (`prefect automation create --from-file` takes one as
+well once it names a block): the notification block of its send-notification actions is the one
+thing it leaves out, filled in at install time. What they watch:
+
+- a rule starts failing / recovers (`delivery.rule.failing` / `.recovered`, from `deliver-rule`),
+- a target's breaker opens / closes again (`delivery.breaker.opened` / `.closed`, flows/breaker_events.py),
+- no `delivery-tick` run Completed for 15 minutes (a proactive trigger), a tick Failed or Crashed.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 from uuid import UUID
 
+import yaml
 from prefect import get_client
-from prefect.automations import Automation
-from prefect.events.actions import SendNotification
-from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+from prefect.client.orchestration import PrefectClient
+from prefect.events.schemas.automations import Automation, AutomationCore
 from prefect.exceptions import ObjectNotFound
+from pydantic import ValidationError
 
-from delivery.alerts import Transition
 from delivery.errors import InputError
 
-NAMES = {
-    Transition.FAILING: "delivery: rule failing",
-    Transition.RECOVERED: "delivery: rule recovered",
-}
-BODIES = {
-    Transition.FAILING: (
-        "Delivery rule {{ event.resource.name }} is failing: {{ event.payload.message }}\n"
-        "Every chain of it will fail until the rule or its target is fixed."
-    ),
-    Transition.RECOVERED: "Delivery rule {{ event.resource.name }} recovered: {{ event.payload.ended_by }}.",
-}
+#: The automation files of this checkout (found beside the `flows` package: run from the checkout
+#: or an editable install, as prefect.yaml's deployments are).
+AUTOMATIONS_DIR = Path(__file__).resolve().parents[1] / "automations"
 
 
-def automations(block_document_id: UUID, enabled: bool) -> list[Automation]:
-    return [
-        Automation(
-            name=NAMES[change],
-            description="Installed by `delivery alerts install`; fires once per change of a rule's health.",
-            enabled=enabled,
-            trigger=EventTrigger(
-                expect={change.value},
-                match={"prefect.resource.id": "delivery.rule.*"},
-                posture=Posture.Reactive,
-                threshold=1,
-            ),
-            actions=[
-                SendNotification(
-                    block_document_id=block_document_id,
-                    subject=f"[delivery] {NAMES[change]}: {{{{ event.resource.name }}}}",
-                    body=BODIES[change],
-                )
-            ],
-        )
-        for change in Transition
+@dataclass(frozen=True)
+class Installed:
+    name: str
+    file: str
+    action: str  # "created" or "updated"
+    id: str
+    enabled: bool
+
+
+def automation_files(directory: Path = AUTOMATIONS_DIR) -> list[Path]:
+    files = sorted([*directory.glob("*.yaml"), *directory.glob("*.yml")])
+    if not files:
+        raise InputError(f"--dir: no automation files (*.yaml) in {directory}")
+    return files
+
+
+def load_automation(path: Path, block_document_id: UUID, enabled: bool) -> AutomationCore:
+    """One file as the automation to install: its notification actions sent through
+    `block_document_id`, enabled or paused."""
+    try:
+        document: Any = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise InputError(f"{path}: cannot read an automation from it: {exc}") from exc
+    if not isinstance(document, dict):
+        raise InputError(f"{path}: an automation file holds one automation (a mapping)")
+    document = {**document, "enabled": enabled}
+    document["actions"] = [
+        {**action, "block_document_id": str(block_document_id)}
+        if isinstance(action, dict) and action.get("type") == "send-notification"
+        else action
+        for action in document.get("actions") or []
     ]
+    try:
+        return AutomationCore.model_validate(document)
+    except ValidationError as exc:
+        raise InputError(f"{path}: not an automation Prefect accepts: {exc}") from exc
 
 
-async def install(block: str, enabled: bool) -> list[str]:
-    """(Re)create both automations for notification block `TYPE/NAME` (e.g. slack-webhook/ops)."""
+def automations(
+    block_document_id: UUID, enabled: bool, directory: Path = AUTOMATIONS_DIR
+) -> list[tuple[Path, AutomationCore]]:
+    """Every automation file, loaded; refused as a whole (nothing installed) if one is bad."""
+    loaded = [(path, load_automation(path, block_document_id, enabled)) for path in automation_files(directory)]
+    names = [automation.name for _, automation in loaded]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise InputError(f"--dir: two automation files share the name {', '.join(map(repr, twice))}")
+    return loaded
+
+
+async def _by_name_oldest_first(client: PrefectClient, name: str) -> list[Automation]:
+    """The automations named `name`, the oldest first: the one an install keeps (the client's own
+    lookup by name orders by last update, which would keep a duplicate made yesterday by hand)."""
+    response = await client.request(
+        "POST",
+        "/automations/filter",
+        json={"sort": "CREATED_DESC", "automations": {"name": {"any_": [name]}}},
+    )
+    return list(reversed(Automation.model_validate_list(response.json())))
+
+
+async def install(block: str, enabled: bool, directory: Path = AUTOMATIONS_DIR) -> list[Installed]:
+    """Create every automation of `directory`, or update in place the one of the same name, for
+    notification block `TYPE/NAME` (e.g. slack-webhook/ops). Updating in place keeps each
+    automation's id and history and never leaves two of one name; a duplicate made some other way
+    (by hand, by an older install) is removed."""
     block_type, _, name = block.partition("/")
     if not block_type or not name:
         raise InputError(f"--block: {block!r} must be BLOCK-TYPE/NAME, e.g. slack-webhook/delivery-alerts")
@@ -61,13 +105,17 @@ async def install(block: str, enabled: bool) -> list[str]:
             document = await client.read_block_document_by_name(name, block_type)
         except ObjectNotFound as exc:
             raise InputError(f"--block: no notification block {block!r} exists; create it in the UI first") from exc
-        existing = {a.name: a for a in await client.read_automations()}
-        for wanted in NAMES.values():
-            if wanted in existing:
-                await client.delete_automation(existing[wanted].id)
-        created = []
-        for automation in automations(document.id, enabled):
-            # The client sends the model whole, and the API refuses its empty "id".
-            await client.create_automation(AutomationCore(**automation.model_dump(exclude={"id"})))
-            created.append(automation.name)
-    return created
+        wanted = automations(document.id, enabled, directory)
+        done = []
+        for path, automation in wanted:
+            existing = await _by_name_oldest_first(client, automation.name)
+            if existing:
+                keep, *extra = existing
+                await client.update_automation(keep.id, automation)
+                for duplicate in extra:
+                    await client.delete_automation(duplicate.id)
+                done.append(Installed(automation.name, path.name, "updated", str(keep.id), enabled))
+            else:
+                made = await client.create_automation(automation)
+                done.append(Installed(automation.name, path.name, "created", str(made), enabled))
+    return done

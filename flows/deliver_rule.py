@@ -8,37 +8,71 @@ attempt would meet again (ADR-0029).
 
 from __future__ import annotations
 
-import os
+import asyncio
+import logging
 import re
+import shlex
+import traceback
 from typing import Any
 from uuid import UUID
 
+import anyio
 from prefect import flow, get_client, get_run_logger, task
-from prefect.artifacts import acreate_table_artifact
+from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas import State
 from prefect.events import emit_event
+from prefect.exceptions import Abort, CancelledRun, TerminationSignal
 from prefect.runtime import flow_run
-from prefect.states import Completed
+from prefect.states import Cancelled, Completed, Failed
 
+from delivery import liveness
 from delivery.alerts import TELLING, transition
+from delivery.chain import Chain
 from delivery.db import shared_engine
 from delivery.domain import BatchReport, ChainEnd, ChainReport, LedgerStatus, Phase
-from delivery.engine import Chain
-from delivery.store import chains
+from delivery.settings import settings
+from delivery.store import chains, ledger
+from flows.breaker_events import RunBreakerListener
 from flows.lock import rule_lock
+from flows.secrets import read_secret_block
 
-BATCH_TIMEOUT_ENV = "DELIVERY_BATCH_TIMEOUT_SECONDS"
-DEFAULT_BATCH_TIMEOUT_SECONDS = 600.0
+#: What a chain stopped from outside raises: Ctrl-C, SIGTERM (Prefect turns it into a
+#: TerminationSignal; a worker cancelling the run sends it too), an asyncio/anyio cancellation, the
+#: API aborting a task because its flow run was cancelled (Abort), or a subflow that ended cancelled
+#: (CancelledRun). None of them is a fault of the rule.
+CANCELLATIONS: tuple[type[BaseException], ...] = (
+    asyncio.CancelledError,
+    KeyboardInterrupt,
+    SystemExit,
+    TerminationSignal,
+    Abort,
+    CancelledRun,
+)
 
 # Chains in progress in this process, by token: tasks and subflows receive the token, not the
 # Chain object, so that nothing unserialisable travels through Prefect's parameter handling.
 _chains: dict[str, Chain] = {}
+#: The `deliver-rule` run's logger per chain token: what the operator must see (lock waits and
+#: repairs, a breaker trip) goes to the chain's own run, not to the drain or scan subflow's.
+_run_loggers: dict[str, logging.LoggerAdapter[Any]] = {}
+
+#: The Completed state's name per chain end: the run list tells the endings apart at a glance
+#: (the type stays COMPLETED: none of them is a fault, ADR-0029).
+STATE_NAMES = {
+    ChainEnd.CAUGHT_UP: "CaughtUp",
+    ChainEnd.BREAKER_OPEN: "BreakerOpen",
+    ChainEnd.ROUTE_CLOSED: "RouteClosed",
+    ChainEnd.SUPERSEDED: "Superseded",
+    ChainEnd.DISABLED: "Disabled",
+}
+
+#: How many parked or failed records a chain's records artifact lists (the total is given too).
+RECORDS_LISTED = 200
 
 
 def batch_timeout_seconds() -> float:
-    raw = os.environ.get(BATCH_TIMEOUT_ENV)
-    return float(raw) if raw else DEFAULT_BATCH_TIMEOUT_SECONDS
+    return settings().batch_timeout_seconds
 
 
 @task(name="delivery-batch", retries=0, cache_policy=NO_CACHE, persist_result=False)
@@ -54,7 +88,7 @@ async def _run_phase(token: str, phase: Phase) -> ChainEnd | None:
     number = 0
     while True:
         number += 1
-        async with rule_lock(chain):  # one job of the rule at a time; waiting writes nothing
+        async with rule_lock(chain, _run_loggers.get(token)):  # one job of the rule at a time; waiting writes nothing
             report = batch.with_options(task_run_name=f"{phase.value}-batch-{number}")(token, phase)
         logger.info("%s batch %d: %d attempted %s", phase.value, number, report.attempted, dict(report.counts))
         if report.ended_by is not None:
@@ -65,16 +99,24 @@ async def _run_phase(token: str, phase: Phase) -> ChainEnd | None:
             return None
 
 
+async def _run_subflow(token: str, phase: Phase) -> ChainEnd | State[Any] | None:
+    try:
+        return await _run_phase(token, phase)
+    except CANCELLATIONS as exc:
+        # Ends this subflow Cancelled rather than Crashed; the parent then sees CancelledRun.
+        return Cancelled(message=f"{phase.value} cancelled ({type(exc).__name__})")
+
+
 @flow(name="drain", retries=0, validate_parameters=False)
-async def drain(token: str) -> ChainEnd | None:
+async def drain(token: str) -> ChainEnd | State[Any] | None:
     """Due retries first, oldest due first."""
-    return await _run_phase(token, Phase.DRAIN)
+    return await _run_subflow(token, Phase.DRAIN)
 
 
 @flow(name="scan", retries=0, validate_parameters=False)
-async def scan(token: str) -> ChainEnd | None:
+async def scan(token: str) -> ChainEnd | State[Any] | None:
     """Fresh changes from the cursor less the overlap window, in change order."""
-    return await _run_phase(token, Phase.SCAN)
+    return await _run_subflow(token, Phase.SCAN)
 
 
 def _artifact_key(rule: str) -> str:
@@ -100,9 +142,77 @@ async def _publish(report: ChainReport) -> None:
     await acreate_table_artifact(table=rows, key=_artifact_key(report.rule), description=description)
 
 
+def records_artifact_key(rule: str) -> str:
+    return _artifact_key(rule) + "-records"
+
+
+def requeue_command(rule: str, statuses: list[str], since: str) -> str:
+    """The `delivery requeue` command line that selects exactly the rows a chain left behind: the
+    rule's rows in those statuses written since the chain started."""
+    words = ["delivery", "requeue", rule, *(w for s in statuses for w in ("--status", s)), "--since", since]
+    return shlex.join(words)
+
+
+def _cell(value: Any, limit: int = 200) -> str:
+    if value is None:
+        return "-"
+    text = value.isoformat(timespec="seconds") if hasattr(value, "isoformat") else str(value)
+    text = " ".join(text.split())[:limit]
+    return text.replace("\\", "\\\\").replace("|", "\\|") or "-"
+
+
+async def _publish_records(chain: Chain) -> None:
+    """The `chain-RULE-records` artifact: the records this chain parked or left failed (the first
+    `RECORDS_LISTED`, and how many in all), and the `delivery requeue` command that puts them back.
+    Published after every chain, so the key's latest version always speaks of the latest chain.
+    last_error is redacted when it is written."""
+    rule = chain.rule
+    with chain.engine.connect().execution_options(readonly=True) as conn:
+        rows, counts = ledger.left_behind_since(conn, rule.id, chain.started_at, RECORDS_LISTED)
+    total = sum(counts.values())
+    since = chain.started_at.isoformat()
+    if total == 0:
+        markdown = f"**{rule.name}**: this chain (started {since}) parked no record and left none failed."
+    else:
+        statuses = [s.value for s in ledger.LEFT_BEHIND if counts.get(s.value)]
+        tally = ", ".join(f"{counts[s]} {s}" for s in statuses)
+        lines = [
+            f"**{rule.name}**: this chain (started {since}) parked or left failed **{total}** record(s): {tally}.",
+            "",
+            "Put them back (each becomes a retry due now, attempts reset; `--dry-run` lists them first; "
+            "rows a later chain parks are selected too):",
+            "",
+            "```bash",
+            requeue_command(rule.name, statuses, since),
+            "```",
+            "",
+            "| external id | status | attempts | last error | next attempt |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {_cell(r['external_id'])} | {r['status']} | {r['attempts']} | {_cell(r['last_error'])} "
+            f"| {_cell(r['next_attempt_at'])} |"
+            for r in rows
+        ]
+        if total > len(rows):
+            lines += ["", f"The first {len(rows)} of {total} are listed; `delivery ledger --rule` shows them all."]
+        markdown = "\n".join(lines)
+    await acreate_markdown_artifact(
+        markdown=markdown,
+        key=records_artifact_key(rule.name),
+        description=f"Records {rule.name}'s chain parked or left failed ({total})",
+    )
+
+
+def fault_state_name(exc: BaseException) -> str:
+    """A Failed run's state name: the fault's class (`MissingWriter`, ...); a batch that ran out of
+    time is `TimedOut`, as Prefect names the task that did."""
+    return "TimedOut" if isinstance(exc, TimeoutError) else type(exc).__name__
+
+
 def _announce(chain: Chain, report: ChainReport) -> None:
     """Emit a Prefect event when the rule's health changes; the automations in
-    `automations/chain-alerts.yaml` turn these into notifications."""
+    `automations/rule-failing.yaml` and `rule-recovered.yaml` turn these into notifications."""
     with chain.engine.connect().execution_options(readonly=True) as conn:
         previous = chains.previous_end(conn, chain.rule.id, chain.token, [end.value for end in TELLING])
     change = transition(previous, report.ended_by)
@@ -124,9 +234,12 @@ async def _label_run(chain: Chain) -> None:
     run_id = flow_run.get_id()
     if run_id is None:
         return
+    name = f"{chain.rule.name} -> {chain.rule.target.name}"
     tags = sorted({*flow_run.get_tags(), f"rule:{chain.rule.name}", f"target:{chain.rule.target.name}"})
+    if flow_run.get_name() == name and set(tags) <= set(flow_run.get_tags()):
+        return  # created so by the tick (flow_run_name, tags): nothing to rename afterwards
     async with get_client() as client:
-        await client.update_flow_run(UUID(run_id), name=f"{chain.rule.name} -> {chain.rule.target.name}", tags=tags)
+        await client.update_flow_run(UUID(run_id), name=name, tags=tags)
 
 
 @flow(name="deliver-rule", retries=0, log_prints=False)
@@ -134,38 +247,79 @@ async def deliver_rule(rule: str, chain_token: str | None = None) -> State[Any]:
     """One chain of `rule`: health gate, breaker check, drain, scan. `chain_token` is given by the
     tick, which records the chain when it launches the run."""
     logger = get_run_logger()
+    # A bad DELIVERY_* value fails the run here, before a chain exists: it is no fault of the rule,
+    # and a chain it stopped midway would be recorded and alerted on as one.
+    settings()
+    run_id = flow_run.get_id()
+    # The breaker's trips reach this run's log (and Prefect's events) from the chain's workers.
+    breakers = RunBreakerListener(rule, run_id, logger)
     try:
-        chain = Chain(shared_engine(), rule, flow_run_id=flow_run.get_id(), token=chain_token)
+        chain = Chain(shared_engine(), rule, flow_run_id=run_id, token=chain_token, breaker_listeners=[breakers])
     except LookupError as exc:  # the tick judged this launch dead before it got to run
-        return Completed(message=f"superseded before it started: {exc}", name="Superseded")
+        return Completed(message=f"superseded before it started: {exc}", name=STATE_NAMES[ChainEnd.SUPERSEDED])
     _chains[chain.token] = chain
+    _run_loggers[chain.token] = logger  # type: ignore[assignment]
     try:
         await _label_run(chain)
-        ended = chain.open()
+        # A subflow's Cancelled state reaches us as CancelledRun, never as a value.
+        # The token is read now, from a Secret block too: a token changed in the UI counts from this chain.
+        ended: ChainEnd | State[Any] | None = chain.open(secrets=read_secret_block)
         if ended is None:
             ended = await drain(chain.token)
         if ended is None:
             ended = await scan(chain.token)
+    except CANCELLATIONS as exc:
+        return await _cancelled(chain, exc)
     except BaseException as exc:
         report = chain.finish(exc)
         await _publish(report)
+        await _publish_records(chain)
         _announce(chain, report)
-        logger.error("chain of %s failed: %s", rule, report.message)
-        raise
+        if not isinstance(exc, Exception):
+            raise  # not a fault of the rule (e.g. GeneratorExit): Prefect judges it
+        # Redacted: Prefect's own traceback of a raised exception would carry its text unmasked.
+        detail = chain.redact("".join(traceback.format_exception(exc)))
+        logger.error("chain of %s failed: %s\n%s", rule, report.message, detail)
+        # Returned, not raised: the Failed run is named after the fault's class, so the run list
+        # tells a MissingWriter from a MissingCredential. The exception stays the state's data, so
+        # a caller awaiting the flow's result still gets it raised.
+        return Failed(name=fault_state_name(exc), message=report.message, data=exc)
     finally:
         _chains.pop(chain.token, None)
+        _run_loggers.pop(chain.token, None)
     report = chain.finish()
     await _publish(report)
+    await _publish_records(chain)
     _announce(chain, report)
-    counts = ", ".join(f"{n} {status}" for status, n in sorted(report.counts.items()) if n)
-    message = report.message or f"caught up: {counts or 'nothing to deliver'}"
+    message = report.message
     logger.info("chain of %s ended by %s: %s", rule, report.ended_by.value, message)
-    return Completed(message=message, data=report.as_json())
+    return Completed(message=message, data=report.as_json(), name=STATE_NAMES.get(report.ended_by, "Completed"))
+
+
+async def _cancelled(chain: Chain, exc: BaseException) -> State[Any]:
+    """End a chain stopped from outside: no fault, no alert, and nothing more written. The fence
+    is closed first, so a worker of the batch still settling a record finds it closed and stops;
+    then the chain records that it was cancelled. Returning the Cancelled state (rather than
+    raising) is what makes Prefect end the run Cancelled instead of Crashed."""
+    # Shielded: under an anyio cancel scope every await would otherwise be cancelled again.
+    with anyio.CancelScope(shield=True):
+        liveness.supersede(chain.engine, chain.rule.id, chain.token, "chain cancelled")
+        report = chain.finish(exc, cancelled=True)
+        await _publish(report)
+        await _publish_records(chain)
+        _announce(chain, report)  # `cancelled` tells nothing about the rule: no event
+    get_run_logger().warning("chain of %s cancelled (%s): nothing more is written", chain.rule.name, type(exc).__name__)
+    return Cancelled(message=report.message, data=report.as_json())
+
+
+def _state_name(state: State[Any]) -> str:
+    if state.is_completed():
+        return "COMPLETED"
+    return "CANCELLED" if state.is_cancelled() else "FAILED"
 
 
 def run_now(rule: str) -> dict[str, Any]:
     """Run one chain of `rule` in this process and summarise it (what `delivery run --json` prints)."""
-    import asyncio
 
     async def _run() -> Any:
         return await deliver_rule(rule=rule, return_state=True)
@@ -178,7 +332,7 @@ def run_now(rule: str) -> dict[str, Any]:
     empty = {s.value: 0 for s in LedgerStatus}
     return {
         "rule": rule,
-        "state": "COMPLETED" if state.is_completed() else "FAILED",
+        "state": _state_name(state),
         "ended_by": report.get("ended_by", ChainEnd.RULE_FAULT.value),
         "message": report.get("message") or state.message or "",
         "counts": report.get("counts", empty),

@@ -2,9 +2,30 @@
 
 Held for the length of one job, not of a chain (ADR-0029): a job that finds the rule taken waits
 and runs once it is free, and waiting is no attempt and writes nothing. `strict=True`, because a
-missing limit would otherwise silently mean no lock at all. Leases are short and renewed, so a
-Prefect server frees the slot of a killed holder by itself; the embedded API does not (no
-repossessor, leases in memory), so a waiter judges the recorded holder and frees the slot itself.
+missing limit would otherwise silently mean no lock at all.
+
+Freeing a slot whose holder died: leases are short (60 s) and renewed while a job runs. A waiter
+that finds a dead holder on record releases that holder's lease: a release frees exactly the slot
+that lease took, and only once. Setting `active_slots=0` (the blunt reset) frees whatever holds
+the slot, so it is used only when nothing else can: it would otherwise let a lease still alive
+later give back a slot that by then belongs to the next holder, and two jobs would hold the rule.
+
+- A `prefect server start` (PREFECT_API_URL) runs a repossessor that frees every lease nobody
+  renewed. There a waiter never resets: a slot taken with nobody on record, or a dead holder whose
+  release failed, is freed by the lease's expiry.
+- Prefect's ephemeral API (no PREFECT_API_URL: a temporary server per process; the test harness
+  too) runs no repossessor, keeps leases in memory and loses them when its process ends, so
+  nothing but a waiter can free such a slot. It resets only after the slot has stood taken with
+  nobody on record for longer than a lease lives unrenewed (`UNACCOUNTED_SECONDS`), or when a
+  dead holder's release fails (its lease died with the server that held it).
+
+What an operator should see goes to the chain's run log (the `logger` the flow passes in): each
+wait step that found the rule taken (which chain holds it, its flow run, process and host, and how
+long the wait has lasted), and every slot freed from a dead holder.
+
+Prefect's public `concurrency()` never hands out the lease id this needs, so acquiring goes through
+`flows.prefect_private`, the one module that touches Prefect internals; renewing and releasing use
+the public client.
 """
 
 from __future__ import annotations
@@ -12,29 +33,35 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import os
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 from uuid import UUID
 
 from prefect import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
-from prefect.concurrency._asyncio import (
-    aacquire_concurrency_slots_with_lease,
-    arelease_concurrency_slots_with_lease,
-)
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.settings import PREFECT_API_URL
 
 from delivery import liveness
+from delivery.chain import Chain
 from delivery.clock import utcnow
-from delivery.engine import Chain
+from delivery.settings import settings
+from flows.prefect_private import acquire_lease, ephemeral_api_urls
 
 log = logging.getLogger(__name__)
 
+#: A std logger, or the run logger (a LoggerAdapter) of the chain's flow run.
+RunLogger = logging.Logger | logging.LoggerAdapter[Any]
+
 LEASE_SECONDS = 60.0  # Prefect's minimum: a killed holder's slot is repossessed soonest
-WAIT_STEP_ENV = "DELIVERY_LOCK_WAIT_STEP_SECONDS"
+#: A slot taken with nobody on record is reset (ephemeral API only) after this long: by then any
+#: lease nobody renews has expired, with a margin for a holder's last renewal in flight.
+UNACCOUNTED_SECONDS = LEASE_SECONDS + 15.0
 
 
 def lock_name(rule: str) -> str:
@@ -42,7 +69,7 @@ def lock_name(rule: str) -> str:
 
 
 def _wait_step() -> float:
-    return float(os.environ.get(WAIT_STEP_ENV) or 15)
+    return settings().lock_wait_step_seconds
 
 
 async def ensure_lock(rule: str) -> str:
@@ -57,38 +84,129 @@ async def ensure_lock(rule: str) -> str:
     return name
 
 
-async def _free_if_holder_dead(chain: Chain, name: str, unknown_waits: int) -> None:
-    """Free the slot of a holder that died mid-job. Returns without doing anything when the
-    holder is alive (the job simply waits on) or when nobody is recorded yet."""
-    now = utcnow()
-    stale = timedelta(seconds=liveness.STALE_HOLDER_SECONDS + 2 * chain.rule.target.timeout_seconds)
-    holders = [h for h in liveness.lock_holders(chain.engine, chain.rule.id) if h.token != chain.token]
-    dead = [h for h in holders if liveness.holder_is_dead(h, now, stale, liveness.this_host())]
-    if not dead and not (not holders and unknown_waits >= 2):
-        return
+def server_repossesses_leases() -> bool:
+    """True for a Prefect server that frees expired leases itself (`prefect server start`). False
+    for Prefect's ephemeral API: the one it starts in this process when PREFECT_API_URL is unset,
+    or the test harness's. Both run in ephemeral mode, which starts no repossessor."""
+    url = PREFECT_API_URL.value()
+    if not url:
+        return False
+    return url.rstrip("/") not in ephemeral_api_urls()
+
+
+async def _reset(name: str) -> None:
     async with get_client() as client:
-        for holder in dead:
-            released = False
-            if holder.lease_id:
-                try:
-                    await arelease_concurrency_slots_with_lease(UUID(holder.lease_id))
-                    released = True
-                except Exception:  # the lease lived in a server that is gone
-                    released = False
-            if not released:
-                await client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
-            liveness.supersede(
-                chain.engine,
-                chain.rule.id,
-                holder.token,
-                f"lock holder (pid {holder.pid} on {holder.host}) died mid-job; its slot was freed",
-            )
-            log.warning("rule %s: freed the lock of dead chain %s", chain.rule.name, holder.token)
+        await client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
+
+
+async def release_lease(lease_id: UUID) -> None:
+    """Free the slot `lease_id` took; a lease already gone is no error (the API answers alike)."""
+    async with get_client() as client:
+        await client.release_concurrency_slots_with_lease(lease_id=lease_id)
+
+
+async def _release(lease_id: str) -> bool:
+    try:
+        await release_lease(UUID(lease_id))
+    except Exception as exc:  # e.g. the lease lived in a server that is gone
+        log.warning("could not release lease %s: %s", lease_id, exc)
+        return False
+    return True
+
+
+@dataclass
+class LockRepair:
+    """What a waiter does after each wait step that found the rule taken. It lives as long as the
+    wait, because a slot is judged unaccounted for by how long it has stood so."""
+
+    chain: Chain
+    name: str
+    repossessor: bool
+    clock: Callable[[], float] = time.monotonic
+    unaccounted_since: float | None = None
+    warned: bool = False
+    logger: RunLogger = log
+    waiting_since: float = field(default_factory=time.monotonic)
+
+    async def after_wait(self) -> None:
+        chain = self.chain
+        liveness.beat(chain.engine, chain.token)
+        holders = [h for h in liveness.lock_holders(chain.engine, chain.rule.id) if h.token != chain.token]
+        self._tell_wait(holders)
+        if holders:
+            self.unaccounted_since = None
+            await self._free_dead(holders)
+        else:
+            await self._free_unaccounted()
+
+    def _tell_wait(self, holders: list[liveness.Holder]) -> None:
+        """One line per wait step: who the chain waits for, so a run that seems stuck says why."""
+        waited = time.monotonic() - self.waiting_since
+        now = utcnow()
         if not holders:
-            # A slot taken and nobody on record for two wait steps: taken by a process killed
-            # between acquiring and recording it, or by a server restart that lost its leases.
-            await client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
-            log.warning("rule %s: freed a lock slot that no live chain holds", chain.rule.name)
+            who = "by no chain on record (a slot being handed over, or one left by a dead process)"
+        else:
+            who = "; ".join(
+                f"by chain {h.token} (flow run {h.flow_run_id or '-'}, pid {h.pid} on {h.host}, "
+                f"last heartbeat {(now - h.heartbeat_at).total_seconds():.0f} s ago)"
+                for h in holders
+            )
+        self.logger.info(
+            "rule %s: waiting for the rule lock %s, for %.0f s so far; it is held %s",
+            self.chain.rule.name, self.name, waited, who,
+        )  # fmt: skip
+
+    async def _free_dead(self, holders: list[liveness.Holder]) -> None:
+        """Free the slot of a holder that died mid-job; a live holder (however slow) is waited for."""
+        chain = self.chain
+        stale = timedelta(seconds=liveness.STALE_HOLDER_SECONDS + 2 * chain.rule.target.timeout_seconds)
+        now = utcnow()
+        for holder in holders:
+            if not liveness.holder_is_dead(holder, now, stale, liveness.this_host()):
+                continue
+            released = holder.lease_id is not None and await _release(holder.lease_id)
+            if not released and not self.repossessor:
+                await _reset(self.name)  # its lease died with the ephemeral server that held it
+            how = "its lease was released" if released else (
+                "its lease is left to expire" if self.repossessor else "its slot was reset"
+            )  # fmt: skip
+            # Off the record too: superseding an ended chain (one that died in its last release)
+            # would leave it there, judged dead again at every wait.
+            liveness.record_lock(chain.engine, holder.token, None)
+            liveness.supersede(
+                chain.engine, chain.rule.id, holder.token,
+                f"lock holder (pid {holder.pid} on {holder.host}) died mid-job; {how}",
+            )  # fmt: skip
+            self.logger.warning(
+                "rule %s: freed the lock of dead chain %s (flow run %s, pid %s on %s, last heartbeat at %s): %s",
+                chain.rule.name, holder.token, holder.flow_run_id or "-", holder.pid, holder.host,
+                holder.heartbeat_at.isoformat(timespec="seconds"), how,
+            )  # fmt: skip
+
+    async def _free_unaccounted(self) -> None:
+        """A slot taken and nobody on record: taken by a process killed between acquiring and
+        recording it, held by a chain superseded while still in its job, or left by an ephemeral
+        server that lost its leases. Its lease, if it has one, may be alive: never reset it before
+        that lease has surely expired, and on a server with a repossessor not at all."""
+        now = self.clock()
+        if self.unaccounted_since is None:
+            self.unaccounted_since = now
+            return
+        if now - self.unaccounted_since < UNACCOUNTED_SECONDS:
+            return
+        if self.repossessor:
+            if not self.warned:
+                self.warned = True
+                self.logger.warning(
+                    "rule %s: the lock has been taken for %.0f s with no chain on record; waiting for the "
+                    "server to repossess its lease. If it never frees (a server restart that lost its "
+                    "leases), free it with: prefect gcl update %s --active-slots 0",
+                    self.chain.rule.name, now - self.unaccounted_since, self.name,
+                )  # fmt: skip
+            return
+        await _reset(self.name)
+        self.unaccounted_since = None
+        self.logger.warning("rule %s: freed a lock slot that no live chain holds", self.chain.rule.name)
 
 
 def _renew(lease_id: UUID, stop: threading.Event) -> None:
@@ -103,19 +221,25 @@ def _renew(lease_id: UUID, stop: threading.Event) -> None:
 
 
 @asynccontextmanager
-async def rule_lock(chain: Chain) -> AsyncIterator[None]:
+async def rule_lock(chain: Chain, logger: RunLogger | None = None) -> AsyncIterator[None]:
+    """Hold the rule lock for one job. `logger`: the chain's run logger, where waits and repairs
+    are told (default: this module's logger)."""
     name = await ensure_lock(chain.rule.name)
-    unknown_waits = 0
+    repair: LockRepair | None = None
+    started = time.monotonic()
     while True:
         try:
-            response = await aacquire_concurrency_slots_with_lease(
-                [name], 1, timeout_seconds=_wait_step(), lease_duration=LEASE_SECONDS, strict=True
-            )
+            lease_id = await acquire_lease(name, timeout_seconds=_wait_step(), lease_seconds=LEASE_SECONDS)
             break
         except TimeoutError:
-            unknown_waits = unknown_waits + 1 if not liveness.lock_holders(chain.engine, chain.rule.id) else 0
-            await _free_if_holder_dead(chain, name, unknown_waits)
-    lease_id = response.lease_id
+            repair = repair or LockRepair(
+                chain, name, repossessor=server_repossesses_leases(), logger=logger or log, waiting_since=started
+            )
+            await repair.after_wait()
+    if repair is not None:
+        (logger or log).info(
+            "rule %s: took the rule lock after waiting %.0f s", chain.rule.name, time.monotonic() - started
+        )
     liveness.record_lock(chain.engine, chain.token, str(lease_id))
     stop = threading.Event()
     # A thread, not an asyncio task: the batch task runs synchronously on this event loop.
@@ -129,8 +253,10 @@ async def rule_lock(chain: Chain) -> AsyncIterator[None]:
     finally:
         stop.set()
         renewer.join(timeout=5)
-        liveness.record_lock(chain.engine, chain.token, None)
+        # Release, then clear the record: the other order leaves a moment where the slot is taken
+        # by a live lease with nobody on record, which a waiter could take for a lost slot.
         try:
-            await arelease_concurrency_slots_with_lease(lease_id)
+            await release_lease(lease_id)
         except Exception:  # a slot already freed by a waiter that judged us dead
-            log.warning("rule %s: the lock lease was already gone at release", chain.rule.name)
+            (logger or log).warning("rule %s: the lock lease was already gone at release", chain.rule.name)
+        liveness.record_lock(chain.engine, chain.token, None)

@@ -1,10 +1,20 @@
-"""`delivery-tick`: every 5 minutes, a chain for every enabled rule that has none alive.
+"""`delivery-tick`: every 5 minutes, a chain for every enabled rule that has none alive and has
+something to do (a due retry or a change to scan; a misconfigured rule always, so that it fails on
+every tick). An idle rule costs two index seeks in the tick and no flow run: on the production path
+each `deliver-rule` run is a fresh worker process, seconds of CPU before a record moves.
 
 A chain whose heartbeat went silent for longer than the threshold is judged dead: its Prefect flow
-run is cancelled (which does not stop an in-process run), its token is superseded (which does: its
-next job finds the fence closed and writes nothing), and a new chain starts. When the
+run is set Cancelling (a worker then stops its process, if it still runs, and marks it Cancelled; a
+run with nobody to stop it stays Cancelling, and a run still alive in process ends Cancelled at its
+next job), its token is superseded (which stops it whatever runs it: its next job finds the fence
+closed and writes nothing), and a new chain starts if the rule has something to do. When the
 `deliver-rule` deployment exists, chains start as runs of it, so each rule's history is its own in
-the UI; otherwise (local use, tests) the tick runs them itself, one after another.
+the UI; otherwise (local use, tests) the tick runs them itself, one after another. Either way each
+chain's run is created with its name (`RULE -> TARGET`) and tags, and a run of the deployment carries
+the chain token as its idempotency key: a launch repeated with the same token never makes a second run.
+
+Each tick ends by publishing the `delivery-status` table artifact: what `delivery status` prints, one
+row per rule, so the UI alone answers "is everything delivering?".
 """
 
 from __future__ import annotations
@@ -13,19 +23,24 @@ import contextlib
 from typing import Any
 from uuid import UUID
 
-from prefect import flow, get_client, get_run_logger
+from prefect import flow, get_client, get_run_logger, tags
+from prefect.artifacts import acreate_table_artifact
 from prefect.client.schemas import State
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
-from prefect.states import Cancelled, Completed, Failed
+from prefect.states import Cancelled, Cancelling, Completed, Failed
 
 from delivery import liveness
 from delivery.clock import utcnow
 from delivery.db import shared_engine
-from delivery.tick import attach_flow_run, dead_after, plan_tick, record_launch
+from delivery.errors import InputError
+from delivery.settings import positive
+from delivery.status import flat_rows, overview
+from delivery.tick import Launch, TickOutcome, attach_flow_run, dead_after, plan_tick, record_launch
 from flows.deliver_rule import deliver_rule
 
 DELIVER_RULE_DEPLOYMENT = "deliver-rule/deliver-rule"
+STATUS_ARTIFACT_KEY = "delivery-status"
 
 
 async def _deployment_exists() -> bool:
@@ -38,19 +53,60 @@ async def _deployment_exists() -> bool:
 
 
 async def _cancel(flow_run_id: str, message: str) -> None:
+    """Ask the run to stop. Cancelling, not a forced Cancelled: a worker kills the process of a run
+    in Cancelling, while a run forced to Cancelled would go on in a live process. Not forced either,
+    so the server keeps its own rules (a run that ended already stays as it ended)."""
     async with get_client() as client:
         with contextlib.suppress(ObjectNotFound):  # a run recorded by another (ephemeral) Prefect API
-            await client.set_flow_run_state(UUID(flow_run_id), Cancelled(message=message), force=True)
+            await client.set_flow_run_state(UUID(flow_run_id), Cancelling(message=message))
+
+
+async def _launch(launch: Launch, token: str) -> dict[str, Any]:
+    """Create the chain's run of the `deliver-rule` deployment, named and tagged from the start."""
+    run = await run_deployment(  # type: ignore[misc]
+        DELIVER_RULE_DEPLOYMENT,
+        parameters={"rule": launch.rule, "chain_token": token},
+        flow_run_name=launch.run_name,
+        # The chain token: a launch retried after a lost answer finds the run it made, not a second one.
+        idempotency_key=token,
+        timeout=0,
+        as_subflow=False,
+        tags=launch.tags,
+    )
+    return {"flow_run_id": str(run.id), "chain_state": run.state.type.value if run.state else None}
+
+
+async def _publish_status(summary: str) -> None:
+    """The `delivery-status` artifact: the overview `delivery status` prints, as of the tick's end."""
+    now = utcnow()
+    with shared_engine().connect().execution_options(readonly=True) as conn:
+        rows = flat_rows(overview(conn, now))
+    description = (
+        f"**delivery status** at {now.isoformat(timespec='seconds')}: {len(rows)} rule(s); "
+        f"this tick: {summary}.\n\n"
+        "`cursor_lag_seconds` is the age of the oldest change not yet delivered; `due_retries` the failed "
+        "rows the next drain takes; exhausted and remote_gone rows are parked (`delivery requeue`)."
+    )
+    await acreate_table_artifact(table=rows, key=STATUS_ARTIFACT_KEY, description=description)
 
 
 @flow(name="delivery-tick", retries=0)
 async def delivery_tick(dead_after_minutes: float | None = None) -> State[Any]:
-    """Start a chain for every enabled rule that has none alive; replace the dead ones."""
+    """Start a chain for every enabled rule that has none alive and something to do; replace the
+    dead ones."""
     logger = get_run_logger()
+    if dead_after_minutes is not None:
+        try:
+            positive(dead_after_minutes, "dead_after_minutes")
+        except InputError as exc:
+            # NaN, 0 or a negative threshold would judge every live chain dead: nothing is done.
+            logger.error("tick refused: %s", exc)
+            return Failed(message=str(exc), name=type(exc).__name__)
     engine = shared_engine()
     threshold = dead_after(dead_after_minutes)
     with engine.connect().execution_options(readonly=True) as conn:
         plan = plan_tick(conn, utcnow(), threshold)
+    outcome = TickOutcome(plan)
 
     for dead in plan.dead:
         message = f"judged dead by the tick: no heartbeat for {int(dead.silent_for.total_seconds())} s"
@@ -60,29 +116,53 @@ async def delivery_tick(dead_after_minutes: float | None = None) -> State[Any]:
         logger.warning("rule %s: chain %s %s", dead.rule, dead.token, message)
 
     deployed = await _deployment_exists()
-    failed: list[str] = []
-    for rule in plan.start:
+    for launch in plan.start:
         with engine.begin() as conn:
-            token = record_launch(conn, rule, utcnow())
+            token = record_launch(conn, launch.rule, utcnow())
         if deployed:
-            run = await run_deployment(  # type: ignore[misc]
-                DELIVER_RULE_DEPLOYMENT,
-                parameters={"rule": rule, "chain_token": token},
-                timeout=0,
-                as_subflow=False,
-                tags=[f"rule:{rule}"],
-            )
+            started = await _launch(launch, token)
             with engine.begin() as conn:
-                attach_flow_run(conn, token, str(run.id))
-            logger.info("rule %s: started chain as flow run %s", rule, run.id)
+                attach_flow_run(conn, token, started["flow_run_id"])
+            outcome.started[launch.rule] = {"chain_token": token, **started}
+            logger.info("rule %s: started chain as flow run %s", launch.rule, started["flow_run_id"])
         else:
-            state = await deliver_rule(rule=rule, chain_token=token, return_state=True)
+            with tags(*launch.tags):
+                state = await deliver_rule.with_options(flow_run_name=launch.run_name)(
+                    rule=launch.rule, chain_token=token, return_state=True
+                )
+            outcome.started[launch.rule] = {
+                "chain_token": token,
+                "flow_run_id": str(state.state_details.flow_run_id),
+                "chain_state": state.type.value,
+            }
+            if state.is_cancelled():
+                # The chain swallowed the stop to end Cancelled; the tick must not go on to the
+                # next rule as if nothing had happened.
+                logger.warning("rule %s: chain cancelled; the tick stops here", launch.rule)
+                return Cancelled(message=f"cancelled during the chain of {launch.rule}", data=outcome.as_json())
             if not state.is_completed():
-                failed.append(rule)
+                outcome.failed.append(launch.rule)
 
-    summary = f"{len(plan.start)} started, {len(plan.alive)} alive left alone, {len(plan.dead)} dead replaced" + (
-        f"; chains failed: {', '.join(failed)}" if failed else ""
-    )
+    summary = outcome.summary()
     logger.info(summary)
+    await _publish_status(summary)
     # A misconfigured rule fails its chain on every tick until fixed; the tick says so too.
-    return Failed(message=summary) if failed else Completed(message=summary)
+    data = outcome.as_json()
+    return Failed(message=summary, data=data) if outcome.failed else Completed(message=summary, data=data)
+
+
+def run_tick(dead_after_minutes: float | None = None) -> dict[str, Any]:
+    """Run one tick in this process and summarise it (what `delivery tick --json` prints)."""
+    import asyncio
+
+    async def _run() -> Any:
+        return await delivery_tick(dead_after_minutes=dead_after_minutes, return_state=True)
+
+    state = asyncio.run(_run())
+    data = state.result(raise_on_failure=False)
+    return {
+        "state": state.type.value,
+        "message": state.message or "",
+        "flow_run_id": str(state.state_details.flow_run_id),
+        **(data if isinstance(data, dict) else {}),
+    }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from delivery.db import create_engine
+from delivery.db import MIGRATION_LOCK_KEY, create_engine
 from delivery.store.tables import metadata
 
 config = context.config
@@ -17,9 +17,14 @@ def render_item(type_: str, obj: object, autogen_context: object) -> str | bool:
     return False
 
 
-engine = config.attributes.get("engine") or create_engine()
+given = config.attributes.get("engine")
+engine = given or create_engine()
 
 with engine.begin() as connection:
+    if given is None and connection.dialect.name == "postgresql":
+        # A plain `alembic upgrade head`: take the lock `delivery.db.upgrade` takes (it holds it
+        # itself when it runs us), so this cannot race a process migrating on first use.
+        connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})")
     context.configure(
         connection=connection,
         target_metadata=metadata,

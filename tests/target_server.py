@@ -32,7 +32,10 @@ __all__ = ["Answer", "AnswerKind", "RecordedRequest", "TargetServer"]
 
 API_PREFIX = "/api"
 
-AnswerKind = Literal["status", "timeout", "no_id", "not_json", "drop", "echo_headers"]
+AnswerKind = Literal["status", "timeout", "no_id", "not_json", "drop", "echo_headers", "bad_gzip"]
+
+#: What a ``bad_gzip`` answer sends under ``Content-Encoding: gzip``: not gzip at all.
+NOT_GZIP = b"this body claims to be gzip but is not"
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,17 @@ class Answer:
         into error bodies before it logs or stores them.
         """
         return cls(kind="echo_headers", code=code)
+
+    @classmethod
+    def bad_gzip(cls, code: int | None = None) -> Answer:
+        """Reply with ``Content-Encoding: gzip`` and a body that is not gzip.
+
+        Without ``code`` the request is processed as usual (a create is stored, an
+        update applied) and only its answer arrives broken: the target did the
+        work, the client cannot read the reply.  With ``code`` nothing is stored
+        and that status is sent, so a refusal's body is unreadable too.
+        """
+        return cls(kind="bad_gzip", code=code)
 
 
 @dataclass(frozen=True)
@@ -372,10 +386,14 @@ class TargetServer:
                 return scripted
 
         if collection is None:
-            return _Reply.of_json(404, {"error": "not found"})
-        if body_error:
-            return _Reply.of_json(400, {"error": "invalid json"})
-        return self._default(method, collection, remote_id, body, headers.get("Idempotency-Key"))
+            reply = _Reply.of_json(404, {"error": "not found"})
+        elif body_error:
+            reply = _Reply.of_json(400, {"error": "invalid json"})
+        else:
+            reply = self._default(method, collection, remote_id, body, headers.get("Idempotency-Key"))
+        if answer is not None and answer.kind == "bad_gzip":
+            return _not_gzip(reply.code)
+        return reply
 
     @staticmethod
     def _record_key(method: str, headers: Any, body: Any, remote_id: str | None) -> str | None:
@@ -419,6 +437,9 @@ class TargetServer:
         if answer.kind == "echo_headers":
             assert answer.code is not None
             return _Reply.of_json(answer.code, {"error": f"scripted {answer.code}", "headers": headers})
+        if answer.kind == "bad_gzip":
+            # Without a code the request takes effect first; _dispatch then breaks its answer.
+            return None if answer.code is None else _not_gzip(answer.code)
         raise AssertionError(f"unknown answer kind {answer.kind!r}")
 
     def _default(
@@ -477,6 +498,10 @@ class TargetServer:
         if idempotency_key:
             self._idempotency[(collection, idempotency_key)] = copy.deepcopy(record)
         return _Reply.of_json(201, record)
+
+
+def _not_gzip(code: int) -> _Reply:
+    return _Reply(code=code, body=NOT_GZIP, headers={"Content-Encoding": "gzip"})
 
 
 def _parse_path(path: str) -> tuple[str | None, str | None]:

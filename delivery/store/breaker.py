@@ -4,6 +4,7 @@ fail_max times per worker)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from datetime import datetime
@@ -17,6 +18,7 @@ from delivery.store.tables import breaker_states
 
 #: How long a row the engine read alongside a settle stands in for a read of our own.
 SNAPSHOT_SECONDS = 1.0
+_STATES = (pybreaker.STATE_CLOSED, pybreaker.STATE_OPEN, pybreaker.STATE_HALF_OPEN)
 
 _RESET = (
     breaker_states.update()
@@ -43,19 +45,37 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         self._snapshot: Mapping[str, Any] | None = None
         self._snapshot_at = 0.0
         self._reset_due = False
+        #: Writes this storage made; with grouped settles another thread observes rows for it.
+        self._writes = 0
+        self._lock = threading.Lock()
         self._ensure_row()
 
-    def observe(self, conn: sa.Connection, row: Mapping[str, Any] | None) -> None:
+    @property
+    def write_mark(self) -> int:
+        """Read before the statement whose row `observe` gets: a row read before a write of ours
+        is older than that write and must not stand in for the state."""
+        return self._writes
+
+    def observe(
+        self, conn: sa.Connection, row: Mapping[str, Any] | None, mark: int | None = None
+    ) -> Mapping[str, Any] | None:
         """Take `row`, just read in the engine's transaction `conn`, as the current state; and write
         there the reset a success since the last row put off, if the row shows failures (made by
         other workers or processes in the meantime: a success must clear them, as pybreaker's
-        consecutive-failure count wants)."""
-        if row is not None and self._reset_due and row["fail_counter"] != 0:
-            conn.execute(_RESET, {"id": self._id})
-            row = {**row, "fail_counter": 0}
-        self._reset_due = False
-        self._snapshot = row
-        self._snapshot_at = time.monotonic()
+        consecutive-failure count wants). `mark`: `write_mark` as it was before the row was read
+        (grouped settles observe from another thread than the worker's): if this storage wrote
+        since, the row is older than its own write and is not taken. Returns the row as it stands
+        after the reset, for the next worker's storage."""
+        with self._lock:
+            if mark is not None and mark != self._writes:
+                return row
+            reset_due, self._reset_due = self._reset_due, False
+            if row is not None and reset_due and row["fail_counter"] != 0:
+                conn.execute(_RESET, {"id": self._id})
+                row = {**row, "fail_counter": 0}
+            self._snapshot = row
+            self._snapshot_at = time.monotonic()
+            return row
 
     def _fresh(self) -> Mapping[str, Any] | None:
         if self._snapshot is not None and time.monotonic() - self._snapshot_at < SNAPSHOT_SECONDS:
@@ -92,8 +112,10 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
             ).scalar_one()
 
     def _set(self, **values: Any) -> None:
-        self._snapshot = None
-        self._reset_due = False
+        with self._lock:
+            self._writes += 1
+            self._snapshot = None
+            self._reset_due = False
         with self._engine.begin() as conn:
             conn.execute(breaker_states.update().where(breaker_states.c.connection_id == self._id).values(**values))
 
@@ -105,6 +127,24 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
     def state(self, state: str) -> None:
         self._set(state=state)
 
+    def change_state(self, state: str) -> str | None:
+        """Write `state` and return the state it replaced, or None when the row held it already.
+        Each step is a compare-and-set, so when several processes make the same change at once
+        exactly one of them is told it did (the one whose write changed the row)."""
+        with self._lock:
+            self._writes += 1
+            self._snapshot = None
+            self._reset_due = False
+        table = breaker_states
+        with self._engine.begin() as conn:
+            for before in (s for s in _STATES if s != state):
+                changed = conn.execute(
+                    table.update().where(table.c.connection_id == self._id, table.c.state == before).values(state=state)
+                )
+                if changed.rowcount == 1:
+                    return before
+        return None
+
     def increment_counter(self) -> None:
         self._set(fail_counter=breaker_states.c.fail_counter + 1)
 
@@ -112,10 +152,12 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         # Called after every success. With a fresh row the reset is put off to the engine's next
         # read of the row (`observe`, in the transaction that settles this record), which writes
         # it only if there are failures to clear: no write transaction per success.
-        if self._fresh() is not None:
-            self._reset_due = True
-            return
-        self._snapshot = None
+        with self._lock:
+            if self._fresh() is not None:
+                self._reset_due = True
+                return
+            self._writes += 1
+            self._snapshot = None
         with self._engine.begin() as conn:
             conn.execute(_RESET, {"id": self._id})
 

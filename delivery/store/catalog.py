@@ -1,17 +1,31 @@
-"""Connections and rules: reading them as domain values, and upserting them from a config."""
+"""Connections and rules: reading them as domain values, and saving declared ones (`save_config`).
+Whether a declaration may be saved is the caller's question (`delivery.apply`), asked first."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 
 from delivery.clock import utcnow
-from delivery.config import DeliveryConfig, check_rules
-from delivery.domain import BreakerSettings, Connection, ConnectionStatus, Cursor, Policy, Rule
+from delivery.domain import (
+    BreakerSettings,
+    Connection,
+    ConnectionSpec,
+    ConnectionStatus,
+    Cursor,
+    Policy,
+    Rule,
+    RuleSpec,
+    SavedRule,
+    SettleMode,
+)
 from delivery.errors import UnknownName
-from delivery.store.tables import connections, rules
+from delivery.store import chains
+from delivery.store.tables import connections, ledger, mirror_records, retired_ledger_rows, rules
 
 
 def connection_from_row(row: Any) -> Connection:
@@ -25,6 +39,8 @@ def connection_from_row(row: Any) -> Connection:
         timeout_seconds=row.timeout_seconds,
         id_field=row.id_field,
         breaker=BreakerSettings(row.breaker_fail_max, row.breaker_reset_seconds),
+        token_secret=row.token_secret,
+        settle=SettleMode(row.settle),
     )
 
 
@@ -53,6 +69,7 @@ def _rule_from_row(row: Any, by_id: dict[int, Connection]) -> Rule:
         enabled=row.enabled,
         cursor=cursor,
         concurrency=row.concurrency,
+        key_epoch=row.key_epoch,
     )
 
 
@@ -81,11 +98,33 @@ def set_connection_status(conn: sa.Connection, name: str, status: ConnectionStat
         raise UnknownName(f"no connection named {name!r}")
 
 
+@dataclass(frozen=True)
+class Retirement:
+    """The ledger rows of one rule taken out of play because its route changed under them."""
+
+    rule: str
+    rows: int
+    statuses: dict[str, int]
+    reason: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"rule": self.rule, "rows": self.rows, "statuses": dict(self.statuses), "reason": self.reason}
+
+
 @dataclass
 class ApplyReport:
     created: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
+    retired: list[Retirement] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "created": list(self.created),
+            "updated": list(self.updated),
+            "unchanged": list(self.unchanged),
+            "retired": [retirement.as_json() for retirement in self.retired],
+        }
 
 
 def _upsert(
@@ -93,7 +132,9 @@ def _upsert(
 ) -> tuple[int, dict[str, Any] | None]:
     """Insert, or update only what differs (so re-applying a file is a no-op). Returns the id and
     the previous row's values, if there was one."""
-    existing = conn.execute(sa.select(table).where(table.c.name == name)).one_or_none()
+    # Locked as read: a concurrent apply compares against what this one writes, not what it read,
+    # and (for a rule) no chain claims or settles between the comparison and the retirement.
+    existing = conn.execute(sa.select(table).where(table.c.name == name).with_for_update(key_share=True)).one_or_none()
     now = utcnow()
     if existing is None:
         new_id = conn.execute(
@@ -112,20 +153,134 @@ def _upsert(
     return int(existing.id), before
 
 
-def apply_config(conn: sa.Connection, config: DeliveryConfig) -> ApplyReport:
-    """Upsert every connection and rule of `config` inside the caller's transaction, after the
-    save-time checks; a refused config raises `ConfigError` before anything is written."""
-    known = {row.name: row.driver for row in conn.execute(sa.select(connections.c.name, connections.c.driver))}
-    known.update({c.name: c.driver for c in config.connections})
-    check_rules(config, known)
+def connection_drivers(conn: sa.Connection) -> dict[str, str | None]:
+    """Every saved connection's driver by name, for the save-time checks."""
+    return {row.name: row.driver for row in conn.execute(sa.select(connections.c.name, connections.c.driver))}
 
+
+def saved_rules(conn: sa.Connection) -> list[SavedRule]:
+    """Every saved rule, as much of it as the save-time checks read."""
+    target = connections.alias("target")
+    rows = conn.execute(
+        sa.select(rules.c.name, target.c.name.label("target"), rules.c.policy).join(
+            target, target.c.id == rules.c.target_id
+        )
+    )
+    return [SavedRule(row.name, row.target, Policy(row.policy)) for row in rows]
+
+
+def _route_text(names: dict[int, str], source_id: int, domain: str, target_id: int) -> str:
+    return f"{names[source_id]}/{domain} -> {names[target_id]}"
+
+
+def retire_ledger(conn: sa.Connection, rule_id: int, key_epoch: int, now: datetime, reason: str) -> dict[str, int]:
+    """Move every ledger row of the rule into `retired_ledger_rows`, set-wise (a rule can have
+    millions of rows), and return how many there were per status. The caller holds the rule row."""
+    statuses = {
+        str(status): int(count)
+        for status, count in conn.execute(
+            sa.select(ledger.c.status, sa.func.count()).where(ledger.c.rule_id == rule_id).group_by(ledger.c.status)
+        )
+    }
+    if not statuses:
+        return {}
+    moved = (
+        sa.select(
+            ledger.c.rule_id,
+            ledger.c.record_id,
+            mirror_records.c.source_id,
+            mirror_records.c.domain,
+            mirror_records.c.external_id,
+            ledger.c.status,
+            ledger.c.remote_id,
+            ledger.c.attempts,
+            ledger.c.last_error,
+            sa.literal(key_epoch, sa.Integer()),
+            ledger.c.create_generation,
+            sa.literal(now, retired_ledger_rows.c.retired_at.type),
+            sa.literal(reason, sa.Text()),
+        )
+        .join(mirror_records, mirror_records.c.id == ledger.c.record_id)
+        .where(ledger.c.rule_id == rule_id)
+    )
+    conn.execute(
+        retired_ledger_rows.insert().from_select(
+            [
+                "rule_id",
+                "record_id",
+                "source_id",
+                "domain",
+                "external_id",
+                "status",
+                "remote_id",
+                "attempts",
+                "last_error",
+                "key_epoch",
+                "create_generation",
+                "retired_at",
+                "reason",
+            ],
+            moved,
+        )
+    )
+    conn.execute(ledger.delete().where(ledger.c.rule_id == rule_id))
+    return statuses
+
+
+def _move_route(
+    conn: sa.Connection, rule_name: str, rule_id: int, before: dict[str, Any], values: dict[str, Any]
+) -> Retirement:
+    """A rule whose source, domain or target changed starts over on its new route. Its ledger
+    rows address records of the old source (the drain would offer them and fail the chain) and
+    remote ids in the old target (patching them on another system writes into the wrong records):
+    they are retired. The key epoch moves so the new source's `c-1` never sends the key the old
+    `c-1` used; the cursor, a position in the old source's changes, is reset; the rule's chains
+    are superseded, so a chain still running with the old rule writes nothing more."""
+    ids = {before["source_id"], before["target_id"], values["source_id"], values["target_id"]}
+    names: dict[int, str] = {
+        row.id: row.name
+        for row in conn.execute(sa.select(connections.c.id, connections.c.name).where(connections.c.id.in_(ids)))
+    }
+    old = _route_text(names, before["source_id"], before["domain"], before["target_id"])
+    new = _route_text(names, values["source_id"], values["domain"], values["target_id"])
+    reason = f"rule source/domain/target changed from {old} to {new}"
+    now = utcnow()
+    # Re-read under the lock `_upsert` took: a chain may have claimed the rule since `before`.
+    current = conn.execute(sa.select(rules.c.chain_token, rules.c.key_epoch).where(rules.c.id == rule_id)).one()
+    statuses = retire_ledger(conn, rule_id, current.key_epoch, now, reason)
+    conn.execute(
+        rules.update()
+        .where(rules.c.id == rule_id)
+        .values(cursor_changed_at=None, cursor_record_id=None, key_epoch=current.key_epoch + 1)
+    )
+    # Every chain not ended yet, not only the one holding the fence: a chain that has read the
+    # old rule but not yet claimed it (its first job waiting for the lock) must not claim it now.
+    tokens = {chain["token"] for chain in chains.open_chains(conn, rule_id)}
+    if current.chain_token is not None:
+        tokens.add(current.chain_token)
+    for token in sorted(tokens):
+        chains.supersede(conn, rule_id, token, now, f"superseded: {reason}")
+    return Retirement(rule_name, sum(statuses.values()), statuses, reason)
+
+
+def _route_of(values: dict[str, Any]) -> tuple[Any, Any, Any]:
+    return values["source_id"], values["domain"], values["target_id"]
+
+
+def save_config(
+    conn: sa.Connection, declared_connections: Sequence[ConnectionSpec], declared_rules: Sequence[RuleSpec]
+) -> ApplyReport:
+    """Upsert every declared connection, then every declared rule, inside the caller's transaction.
+    Nothing here checks that they may be saved: the caller does, in the same transaction, first."""
     report = ApplyReport()
     ids: dict[str, int] = {}
-    for c in config.connections:
+    for c in declared_connections:
         values: dict[str, Any] = {
             "driver": c.driver,
             "base_url": c.base_url,
             "token_env": c.token_env,
+            "token_secret": c.token_secret,
+            "settle": c.settle.value,
             "timeout_seconds": c.timeout_seconds,
             "id_field": c.id_field,
             "breaker_fail_max": c.breaker.fail_max,
@@ -135,13 +290,13 @@ def apply_config(conn: sa.Connection, config: DeliveryConfig) -> ApplyReport:
         if c.status is not None or exists is None:
             values["status"] = (c.status or ConnectionStatus.ACTIVE).value
         ids[c.name], _ = _upsert(conn, connections, "connection", c.name, values, report)
-    missing = {r.source for r in config.rules} | {r.target for r in config.rules}
+    missing = {r.source for r in declared_rules} | {r.target for r in declared_rules}
     for name, conn_id in conn.execute(
         sa.select(connections.c.name, connections.c.id).where(connections.c.name.in_(missing - ids.keys()))
     ):
         ids[name] = conn_id
 
-    for r in config.rules:
+    for r in declared_rules:
         values = {
             "source_id": ids[r.source],
             "domain": r.domain,
@@ -157,9 +312,6 @@ def apply_config(conn: sa.Connection, config: DeliveryConfig) -> ApplyReport:
             "concurrency": r.concurrency,
         }
         rule_id, before = _upsert(conn, rules, "rule", r.name, values, report)
-        if before is not None and (before["source_id"], before["domain"]) != (values["source_id"], r.domain):
-            # The cursor is a position in one source+domain's changes; elsewhere it means nothing.
-            conn.execute(
-                rules.update().where(rules.c.id == rule_id).values(cursor_changed_at=None, cursor_record_id=None)
-            )
+        if before is not None and _route_of(before) != _route_of(values):
+            report.retired.append(_move_route(conn, r.name, rule_id, before, values))
     return report

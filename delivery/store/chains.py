@@ -33,11 +33,16 @@ def adopt_chain(conn: sa.Connection, token: str, rule_id: int, flow_run_id: str 
 
 
 def claim(conn: sa.Connection, rule_id: int, token: str, started_at: datetime) -> bool:
-    """Make `token` the rule's current chain unless a chain started after it already holds the
-    rule: of two chains racing, the most recently started one goes on, the other is superseded.
+    """Make `token` the rule's current chain unless it has ended already or a chain started after
+    it already holds the rule: of two chains racing, the most recently started one goes on, the
+    other is superseded.
     Called under the rule lock, with the rule row locked (PostgreSQL) or the database write-locked
     (SQLite), so no other job can be between a fence check and its write."""
     current = conn.execute(sa.select(rules.c.chain_token).where(rules.c.id == rule_id).with_for_update()).scalar()
+    # A chain ended already (the tick judged it dead and superseded it before its first job got
+    # the lock) claims nothing: the rule may have a newer chain, or none, and either way not this one.
+    if conn.execute(sa.select(chains.c.ended_at).where(chains.c.token == token)).scalar() is not None:
+        return False
     if current == token:
         return True
     if current is not None:
@@ -48,6 +53,28 @@ def claim(conn: sa.Connection, rule_id: int, token: str, started_at: datetime) -
             return False
     conn.execute(rules.update().where(rules.c.id == rule_id).values(chain_token=token))
     return True
+
+
+def newer_waiting(
+    conn: sa.Connection, rule_id: int, token: str, started_at: datetime, alive_since: datetime
+) -> dict[str, Any] | None:
+    """A chain of the rule started after `token`, not ended, with a heartbeat since `alive_since`:
+    one waiting for the rule lock while `token` holds it job after job. A range seek on
+    (rule_id, started_at) over the few chains newer than this one."""
+    row = conn.execute(
+        sa.select(chains.c.token, chains.c.flow_run_id)
+        .where(
+            chains.c.rule_id == rule_id,
+            chains.c.started_at >= started_at,
+            # Started in the same instant: the token breaks the tie, as in `claim`.
+            sa.or_(chains.c.started_at > started_at, chains.c.token > token),
+            chains.c.ended_at.is_(None),
+            chains.c.heartbeat_at >= alive_since,
+        )
+        .order_by(chains.c.started_at.desc())
+        .limit(1)
+    ).first()
+    return None if row is None else row._asdict()
 
 
 def holds_fence(conn: sa.Connection, rule_id: int, token: str) -> bool:
@@ -93,8 +120,11 @@ def supersede(conn: sa.Connection, rule_id: int, token: str, now: datetime, mess
     conn.execute(
         chains.update()
         .where(chains.c.token == token, chains.c.ended_at.is_(None))
-        .values(ended_at=now, ended_by="superseded", message=message, lease_id=None)
+        .values(ended_at=now, ended_by="superseded", message=message)
     )
+    # The lock holder stays on record (lease, host, pid): a superseded chain may still be inside a
+    # job holding the rule lock, and a waiter must go on judging that holder, not a slot held by
+    # nobody. Its own release clears the record; a waiter that frees a dead holder clears it too.
 
 
 _HEARTBEAT = chains.update().where(chains.c.token == sa.bindparam("chain_token"))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+import dataclasses
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -42,6 +43,8 @@ def _candidate(row: Any) -> Candidate:
             settled_changed_at=row.l_settled_changed_at,
             fingerprint=row.l_fingerprint,
             create_generation=row.l_create_generation,
+            version=row.l_version,
+            create_fingerprint=row.l_create_fingerprint,
         )
     return Candidate(record, row_ledger)
 
@@ -76,14 +79,6 @@ def scan_page(conn: sa.Connection, rule: Rule, after: Cursor | None, limit: int)
     return [_candidate(row) for row in conn.execute(query)]
 
 
-def scan_start(rule: Rule) -> Cursor | None:
-    """Where a chain's scan begins: the cursor less the overlap window, which catches changes that
-    committed late with a change signal just behind the cursor."""
-    if rule.cursor is None:
-        return None
-    return Cursor(rule.cursor.changed_at - timedelta(seconds=rule.overlap_seconds), -1)
-
-
 def drain_page(conn: sa.Connection, rule: Rule, due_by: datetime, limit: int) -> list[Candidate]:
     """Failed rows due by the chain's start, oldest due first. Every row a batch attempts lands, or
     is given a time after `due_by`, or turns terminal, so repeating this query ends."""
@@ -105,12 +100,99 @@ def drain_page(conn: sa.Connection, rule: Rule, due_by: datetime, limit: int) ->
 #: Built once: the settle runs once per record, and building a statement costs more Python than
 #: the database spends running it.
 _INSERT = ledger.insert()
-_UPDATE = ledger.update().where(ledger.c.id == sa.bindparam("row_id"))
+#: Every write of a row names the version it read and moves it on: a settle and a requeue racing
+#: for one row cannot overwrite each other unseen, the later one finds no row to write.
+_UPDATE = ledger.update().where(ledger.c.id == sa.bindparam("row_id"), ledger.c.version == sa.bindparam("read_version"))
+_DELETE = ledger.delete().where(ledger.c.id == sa.bindparam("row_id"), ledger.c.version == sa.bindparam("read_version"))
+
+#: What an intent row says until its create's outcome is settled: after a crash an operator
+#: reads it in the ledger, and the next chain's drain sends the create again under the same key.
+CREATE_IN_FLIGHT = "create sent, outcome not recorded yet (a retry repeats its Idempotency-Key)"
 
 
-def settle(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outcome, now: datetime) -> None:
+def _insert(conn: sa.Connection, rule: Rule, candidate: Candidate, values: dict[str, Any]) -> int:
+    try:
+        result = conn.execute(_INSERT, {"rule_id": rule.id, "record_id": candidate.record.id, **values})
+    except IntegrityError as exc:
+        # The scan said there was no row: one that exists all the same is an invariant broken,
+        # not a row to overwrite. The whole transaction goes with it (nothing else is in it).
+        raise LedgerRowConflict(rule.name, candidate.record.external_id) from exc
+    assert result.inserted_primary_key is not None
+    return int(result.inserted_primary_key[0])
+
+
+def record_create_intent(
+    conn: sa.Connection, rule: Rule, candidate: Candidate, digest: str, now: datetime
+) -> LedgerRow | None:
+    """Before a create goes out: remember the digest of the first body sent under the row's key,
+    and make sure a row exists, so a crash before the settle leaves a due retry (the drain's) and
+    not a record nobody knows was sent. A row the scan did not see raises `LedgerRowConflict`
+    here, before any request. Returns the row as it now stands, or None when its version moved
+    since the page was read (a requeue got there first: the row is the requeue's now)."""
+    row = candidate.ledger
+    if row is None:
+        values = {
+            "status": LedgerStatus.FAILED.value,
+            "remote_id": None,
+            "attempts": 0,
+            "next_attempt_at": now,
+            "last_error": CREATE_IN_FLIGHT,
+            "settled_changed_at": None,
+            "fingerprint": None,
+            "create_generation": 0,
+            "create_fingerprint": digest,
+            "version": 0,
+            "created_at": now,
+            "updated_at": now,
+        }
+        row_id = _insert(conn, rule, candidate, values)
+        return LedgerRow(
+            id=row_id,
+            rule_id=rule.id,
+            record_id=candidate.record.id,
+            status=LedgerStatus.FAILED,
+            remote_id=None,
+            attempts=0,
+            next_attempt_at=now,
+            last_error=CREATE_IN_FLIGHT,
+            settled_changed_at=None,
+            fingerprint=None,
+            create_generation=0,
+            version=0,
+            create_fingerprint=digest,
+        )
+    if row.create_fingerprint is not None:
+        return row  # the first body under this key is known already; nothing to write
+    result = conn.execute(
+        _UPDATE,
+        {"row_id": row.id, "read_version": row.version, "version": row.version + 1, "create_fingerprint": digest},
+    )
+    if result.rowcount == 0:
+        return None
+    return dataclasses.replace(row, version=row.version + 1, create_fingerprint=digest)
+
+
+def withdraw_create_intent(conn: sa.Connection, before: LedgerRow | None, intent: LedgerRow) -> None:
+    """Take back an intent whose create never went out (the breaker refused the call), so the
+    row says what happened: nothing. A row the intent made goes again."""
+    if before is None:
+        conn.execute(_DELETE, {"row_id": intent.id, "read_version": intent.version})
+    elif intent.version != before.version:
+        conn.execute(
+            _UPDATE,
+            {
+                "row_id": intent.id,
+                "read_version": intent.version,
+                "version": intent.version + 1,
+                "create_fingerprint": before.create_fingerprint,
+            },
+        )
+
+
+def settle(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outcome, now: datetime) -> bool:
     """Write one record's outcome. The change signal it settles is the one the candidate carried.
-    Run in the transaction of the fence check that guards it."""
+    Run in the transaction of the fence check that guards it. Returns False, writing nothing,
+    when the row's version moved since it was read: whoever wrote it (a requeue) keeps it."""
     values = {
         "status": outcome.status.value,
         "remote_id": outcome.remote_id,
@@ -122,15 +204,13 @@ def settle(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outco
         "create_generation": outcome.create_generation,
         "updated_at": now,
     }
-    if candidate.ledger is None:
-        try:
-            conn.execute(_INSERT, {"rule_id": rule.id, "record_id": candidate.record.id, "created_at": now, **values})
-        except IntegrityError as exc:
-            # The scan said there was no row: one that exists all the same is an invariant broken,
-            # not a row to overwrite. The whole transaction goes with it (nothing else is in it).
-            raise LedgerRowConflict(rule.name, candidate.record.external_id) from exc
-    else:
-        conn.execute(_UPDATE, {"row_id": candidate.ledger.id, **values})
+    row = candidate.ledger
+    if row is None:
+        _insert(conn, rule, candidate, {**values, "version": 0, "create_fingerprint": None, "created_at": now})
+        return True
+    versions = {"row_id": row.id, "read_version": row.version, "version": row.version + 1}
+    result = conn.execute(_UPDATE, {**versions, **values})
+    return result.rowcount == 1
 
 
 def settled_since(conn: sa.Connection, rule_id: int, since: datetime) -> int:
@@ -181,3 +261,37 @@ def ledger_rows(
     if limit is not None:
         query = query.limit(limit)
     return [row._asdict() for row in conn.execute(query)]
+
+
+#: What a chain leaves for an operator to look at: the rows it parked, and those it left failed.
+LEFT_BEHIND = (LedgerStatus.FAILED, LedgerStatus.EXHAUSTED, LedgerStatus.REMOTE_GONE)
+
+
+def left_behind_since(
+    conn: sa.Connection, rule_id: int, since: datetime, limit: int
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The rule's rows parked or left failed since `since` (a chain's start: one chain of a rule
+    writes at a time, the fence sees to it), first `limit` of them in the order they were written,
+    and how many there are of each status. The same rows `delivery requeue RULE --status ...
+    --since SINCE` selects (updated_at >= since)."""
+    where = (
+        ledger.c.rule_id == rule_id,
+        ledger.c.status.in_([s.value for s in LEFT_BEHIND]),
+        ledger.c.updated_at >= sa.literal(since, ledger.c.updated_at.type),
+    )
+    rows = conn.execute(
+        sa.select(
+            mirror_records.c.external_id,
+            ledger.c.status,
+            ledger.c.attempts,
+            ledger.c.last_error,
+            ledger.c.next_attempt_at,
+            ledger.c.updated_at,
+        )
+        .select_from(ledger.join(mirror_records, mirror_records.c.id == ledger.c.record_id))
+        .where(*where)
+        .order_by(ledger.c.updated_at, ledger.c.id)
+        .limit(limit)
+    )
+    counts = conn.execute(sa.select(ledger.c.status, sa.func.count()).where(*where).group_by(ledger.c.status))
+    return [row._asdict() for row in rows], {status: n for status, n in counts}

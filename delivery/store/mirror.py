@@ -3,8 +3,7 @@ when the payload or the deleted flag really changes."""
 
 from __future__ import annotations
 
-import hashlib
-import json
+import enum
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -13,7 +12,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from delivery.clock import utcnow
-from delivery.errors import InputError, UnknownName
+from delivery.digest import canonical_digest
+from delivery.domain import MirrorInput, mirror_input_problem, text_problem
+from delivery.errors import InputError, MirrorLoadError, UnknownName
 from delivery.store.tables import connections, mirror_records
 
 #: Rows per round trip: large enough to amortise the statement, small enough for SQLite's
@@ -21,27 +22,45 @@ from delivery.store.tables import connections, mirror_records
 CHUNK = 500
 
 
-@dataclass(frozen=True)
-class MirrorInput:
-    external_id: str
-    payload: dict[str, Any]
-    deleted: bool = False
-
-
 @dataclass
 class LoadReport:
+    """Each id is counted once, however often the load gives it: its last record is the one stored."""
+
     inserted: int = 0
     changed: int = 0
     unchanged: int = 0
+    #: Records whose id came earlier in the same load (each replaced by the later one).
+    repeated: int = 0
 
     @property
     def total(self) -> int:
+        """The ids loaded."""
         return self.inserted + self.changed + self.unchanged
+
+    @property
+    def read(self) -> int:
+        """The records read, repeats included."""
+        return self.total + self.repeated
+
+
+def _refuse_unloadable(records: Iterable[MirrorInput]) -> Iterator[MirrorInput]:
+    # Counted from 1 like the lines of a mirror file, so an API caller's message reads the same.
+    for position, item in enumerate(records, start=1):
+        problem = mirror_input_problem(item)
+        if problem is not None:
+            raise MirrorLoadError(position, problem)
+        yield item
+
+
+class _Counted(enum.Enum):
+    INSERTED = "inserted"
+    CHANGED = "changed"
+    UNCHANGED = "unchanged"
 
 
 def content_hash(payload: dict[str, Any], deleted: bool) -> str:
-    canonical = json.dumps([payload, deleted], sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    """The change signal's digest: stored on every mirror row, so its recipe must never change."""
+    return canonical_digest([payload, deleted])
 
 
 def _chunks(items: Iterable[MirrorInput], size: int) -> Iterator[list[MirrorInput]]:
@@ -59,14 +78,33 @@ def source_id(conn: sa.Connection, source: str) -> int:
 
 def load_records(conn: sa.Connection, source: str, domain: str, records: Iterable[MirrorInput]) -> LoadReport:
     """Upsert `records` inside the caller's transaction, so a caller that fails part-way (a bad
-    line further on) rolls back everything. `records` is consumed lazily, chunk by chunk."""
+    line further on) rolls back everything. `records` is consumed lazily, chunk by chunk.
+
+    A record that cannot be stored alike on SQLite and PostgreSQL, or never sent (an empty or
+    over-long id, NaN or ±Infinity, a NUL or a lone surrogate in the id or the payload) is refused
+    with `MirrorLoadError` naming its position in `records` (from 1, as a line number) and where
+    in the payload it sits.
+
+    An id given more than once is stored as its last record and counted once (`repeated` counts
+    the others), as what its last record did to the row the load started from."""
+    for flag, value in (("--source", source), ("--domain", domain)):
+        problem = text_problem(value)
+        if problem is not None:
+            raise InputError(f"{flag}: {problem}")
     if not 1 <= len(domain) <= 200:
         raise InputError(f"--domain: {domain[:40]!r} must be 1 to 200 characters, as a rule's domain is")
     src = source_id(conn, source)
     report = LoadReport()
-    for chunk in _chunks(records, CHUNK):
+    # How each id loaded so far was counted. One entry per id, not per record: a repeat in a later
+    # chunk finds the row this load wrote, and must neither count again nor as a change of its own.
+    counted: dict[str, _Counted] = {}
+    for chunk in _chunks(_refuse_unloadable(records), CHUNK):
         # Within one chunk the last line for an id wins, as it would row by row.
-        latest = {item.external_id: item for item in chunk}
+        latest: dict[str, MirrorInput] = {}
+        for item in chunk:
+            if item.external_id in latest or item.external_id in counted:
+                report.repeated += 1
+            latest[item.external_id] = item
         existing = {
             row.external_id: row
             for row in conn.execute(
@@ -83,7 +121,9 @@ def load_records(conn: sa.Connection, source: str, domain: str, records: Iterabl
         for item in latest.values():
             digest = content_hash(item.payload, item.deleted)
             row = existing.get(item.external_id)
+            before = counted.get(item.external_id)
             if row is None:
+                counted[item.external_id] = _Counted.INSERTED
                 inserts.append(
                     {
                         "source_id": src,
@@ -97,6 +137,13 @@ def load_records(conn: sa.Connection, source: str, domain: str, records: Iterabl
                     }
                 )
             elif row.content_hash != digest:
+                if before is None:
+                    report.changed += 1
+                elif before is _Counted.UNCHANGED:
+                    report.unchanged -= 1
+                    report.changed += 1
+                # Inserted earlier in this load: still new, with its last record.
+                counted[item.external_id] = before if before is _Counted.INSERTED else _Counted.CHANGED
                 updates.append(
                     {
                         "b_id": row.id,
@@ -106,8 +153,9 @@ def load_records(conn: sa.Connection, source: str, domain: str, records: Iterabl
                         "b_changed_at": now,
                     }
                 )
-            else:
+            elif before is None:
                 report.unchanged += 1
+                counted[item.external_id] = _Counted.UNCHANGED
         if inserts:
             conn.execute(mirror_records.insert(), inserts)
             report.inserted += len(inserts)
@@ -123,6 +171,4 @@ def load_records(conn: sa.Connection, source: str, domain: str, records: Iterabl
                 ),
                 updates,
             )
-            report.changed += len(updates)
-        report.unchanged += len(chunk) - len(latest)
     return report

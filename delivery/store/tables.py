@@ -58,6 +58,10 @@ connections = sa.Table(
     sa.Column("breaker_reset_seconds", sa.Float, nullable=False),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
+    # The Prefect Secret block holding the token (the name only: the value is read per chain).
+    sa.Column("token_secret", sa.String(200)),
+    # How chains delivering to this connection commit their ledger writes: grouped or per_record.
+    sa.Column("settle", sa.String(20), nullable=False, server_default="grouped"),
 )
 
 mirror_records = sa.Table(
@@ -100,6 +104,9 @@ rules = sa.Table(
     sa.Column("cursor_record_id", sa.BigInteger),
     # The fence: only the chain holding this token may write for the rule.
     sa.Column("chain_token", sa.String(64)),
+    # Part of every Idempotency-Key: moved on each change of the rule's source or domain, so a
+    # record of the new source never sends a key the old source's record of that id once sent.
+    sa.Column("key_epoch", sa.Integer, nullable=False, server_default="0"),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
 )
@@ -118,6 +125,13 @@ ledger = sa.Table(
     sa.Column("settled_changed_at", UTCDateTime),
     sa.Column("fingerprint", sa.String(64)),
     sa.Column("create_generation", sa.Integer, nullable=False),
+    # Moves with every write of the row: a settle or a requeue writes only the version it read,
+    # so neither overwrites the other unseen.
+    sa.Column("version", sa.Integer, nullable=False, server_default="0"),
+    # The digest of the first body sent under the row's current Idempotency-Key (written before
+    # the create goes out). A key-honouring target keeps that first body, so a later create under
+    # the same key with another body is followed by an update.
+    sa.Column("create_fingerprint", sa.String(64)),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
     sa.UniqueConstraint("rule_id", "record_id"),
@@ -145,6 +159,28 @@ chains = sa.Table(
     sa.Index(None, "rule_id", "started_at"),
 )
 
+retired_ledger_rows = sa.Table(
+    # Ledger rows of a rule whose source or domain changed: kept as history, out of the drain's
+    # and the scan's way (they address records of a source the rule no longer delivers from).
+    "retired_ledger_rows",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("rule_id", sa.Integer, sa.ForeignKey("rules.id"), nullable=False),
+    sa.Column("record_id", sa.BigInteger, nullable=False),
+    sa.Column("source_id", sa.Integer, nullable=False),
+    sa.Column("domain", sa.String(200), nullable=False),
+    sa.Column("external_id", sa.String(500), nullable=False),
+    sa.Column("status", sa.String(20), nullable=False),
+    sa.Column("remote_id", sa.String(500)),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("last_error", sa.Text),
+    sa.Column("key_epoch", sa.Integer, nullable=False),
+    sa.Column("create_generation", sa.Integer, nullable=False),
+    sa.Column("retired_at", UTCDateTime, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Index(None, "rule_id", "retired_at"),
+)
+
 requeues = sa.Table(
     "requeues",
     metadata,
@@ -155,6 +191,8 @@ requeues = sa.Table(
     sa.Column("criteria", sa.JSON, nullable=False),
     sa.Column("count", sa.Integer, nullable=False),
     sa.Column("external_ids", sa.JSON, nullable=False),
+    # The `delivery-requeue` flow run that made it; null for a requeue from the command line.
+    sa.Column("flow_run_id", sa.String(64)),
     sa.Index(None, "rule_id", "requested_at"),
 )
 

@@ -4,12 +4,13 @@ are ABC mixins, checked with `issubclass`/`isinstance` at save time and at write
 
 from __future__ import annotations
 
-import os
+import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from delivery.domain import Connection, Verb
+from delivery.settings import secret
 
 
 class Writer(ABC):
@@ -21,9 +22,17 @@ class Writer(ABC):
     #: above 1 is honoured only then; otherwise its writes stay one at a time).
     thread_safe: ClassVar[bool] = False
 
-    def __init__(self, target: Connection, collection: str) -> None:
+    def __init__(self, target: Connection, collection: str, *, token: str | None = None, concurrency: int = 1) -> None:
+        """`token`: the bearer token the chain resolved for `target` (`token_for`), None for a
+        target that takes none. A writer sends what it is given and reads no credential itself.
+        `concurrency`: how many calls the chain may make at once (the rule's, for a thread-safe
+        writer; else 1): a pooled writer keeps that many connections. A writer that defines its own
+        `__init__` must accept the `token` keyword, and gets `concurrency` only if it accepts it
+        (`accepts_concurrency`)."""
         self.target = target
         self.collection = collection
+        self.token = token
+        self.concurrency = concurrency
 
     def close(self) -> None:  # noqa: B027 - optional hook, most writers hold nothing
         """Release pooled connections at the end of the chain."""
@@ -38,13 +47,22 @@ class Writer(ABC):
 class Creates(ABC):
     @abstractmethod
     def create(self, body: Mapping[str, Any], idempotency_key: str) -> str:
-        """Create the record; return the target's id for it. Raises a `RecordFault`."""
+        """Create the record; return the target's id for it. Raises a `RecordFault`: a body the
+        writer cannot encode raises `UnsendablePayload` before anything is sent."""
 
 
 class Updates(ABC):
     @abstractmethod
     def update(self, remote_id: str, body: Mapping[str, Any]) -> None:
-        """Update the record the target knows as `remote_id`. Raises a `RecordFault`."""
+        """Update the record the target knows as `remote_id`. Raises a `RecordFault`: a body the
+        writer cannot encode raises `UnsendablePayload` before anything is sent."""
+
+
+def accepts_concurrency(writer_type: type[Writer]) -> bool:
+    """Whether the writer's constructor takes the `concurrency` keyword (or any keyword): a
+    third-party writer written before it existed is still built, without it."""
+    parameters = inspect.signature(writer_type.__init__).parameters.values()
+    return any(p.name == "concurrency" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
@@ -56,8 +74,20 @@ def verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
     return frozenset(verbs)
 
 
-def token_for(target: Connection) -> str | None:
-    """The bearer token, read from the environment at run time so it is never stored."""
+#: Reads a Prefect Secret block by name: its value, or None when there is no such block or it
+#: holds nothing. Given by the flows layer (the engine never imports Prefect).
+SecretReader = Callable[[str], str | None]
+
+
+def token_for(target: Connection, secrets: SecretReader | None = None) -> str | None:
+    """The bearer token for `target`, read now (when a chain starts), so it is never stored and a
+    token changed at its source is used by the next chain: from the Prefect Secret block
+    `token_secret` names (through `secrets`), or from the environment variable `token_env` names.
+    None when the target takes no token, or when its token cannot be found."""
+    if target.token_secret:
+        if secrets is None:
+            return None
+        return secrets(target.token_secret) or None
     if not target.token_env:
         return None
-    return os.environ.get(target.token_env) or None
+    return secret(target.token_env)

@@ -2,13 +2,16 @@
 
 create = POST {base_url}/{collection} (id read from `id_field` of the answer),
 update = PATCH {base_url}/{collection}/{remote_id}. Every httpx outcome is translated into our
-own record faults here and nowhere else, most specific first.
+own record faults here and nowhere else, most specific first. The body is encoded here too, before
+anything is sent, so a record JSON cannot carry (NaN, Infinity) is refused as that record's fault.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -18,7 +21,7 @@ import httpx
 
 from delivery.clock import utcnow
 from delivery.domain import Connection
-from delivery.errors import RecordRejected, RemoteGone, TargetUnavailable, Unaddressable
+from delivery.errors import RecordRejected, RemoteGone, TargetUnavailable, Unaddressable, UnsendablePayload
 from delivery.redact import redact
 from delivery.writers.base import Creates, Updates, Writer, token_for
 
@@ -46,17 +49,51 @@ def retry_after_seconds(value: str | None) -> float | None:
     return max((when - utcnow()).total_seconds(), 0.0)
 
 
+@dataclass(frozen=True)
+class _Answer:
+    """The target's answer, read whole. `undecodable` says why its body could not be read (a broken
+    Content-Encoding, say): the status code and headers still count, the body does not."""
+
+    response: httpx.Response
+    undecodable: str | None = None
+
+    @property
+    def status_code(self) -> int:
+        return self.response.status_code
+
+    @property
+    def is_success(self) -> bool:
+        return self.response.is_success
+
+
+def encode_body(body: Mapping[str, Any]) -> bytes:
+    """JSON as httpx would send it, but refusing what JSON cannot carry (NaN, Infinity, lone
+    surrogates, values of no JSON type) instead of letting httpx raise mid-request."""
+    text = json.dumps(dict(body), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text.encode("utf-8")
+
+
 class _RestWriter(Writer):
     """The transport and the answer mapping every variant shares; verbs come from the mixins."""
 
     needs_base_url = True
     thread_safe = True  # httpx.Client is safe to share between threads
 
-    def __init__(self, target: Connection, collection: str, transport: httpx.BaseTransport | None = None) -> None:
-        super().__init__(target, collection)
+    def __init__(
+        self,
+        target: Connection,
+        collection: str,
+        transport: httpx.BaseTransport | None = None,
+        *,
+        token: str | None = None,
+        concurrency: int = 1,
+    ) -> None:
+        # Built outside a chain (tests, the sandbox) with no token given: the environment's, if any.
+        token = token if token is not None else token_for(target)
+        super().__init__(target, collection, token=token, concurrency=concurrency)
         if not target.base_url:
             raise ValueError(f"connection {target.name!r} has no base_url")
-        self._token = token_for(target)
+        self._token = self.token
         headers = {"Accept": "application/json", "User-Agent": "delivery-engine"}
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
@@ -65,58 +102,85 @@ class _RestWriter(Writer):
             base_url=target.base_url.rstrip("/") + "/",
             headers=headers,
             timeout=httpx.Timeout(target.timeout_seconds),
+            # As many connections as calls in flight, each kept alive between calls (httpx keeps
+            # 20 by default: at a concurrency of 64 most calls would open a new connection).
+            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
             transport=transport,
         )
 
     def close(self) -> None:
         self._client.close()
 
-    def _send(self, method: str, path: str, body: Mapping[str, Any], headers: dict[str, str]) -> httpx.Response:
+    def _send(self, method: str, path: str, body: Mapping[str, Any], headers: dict[str, str]) -> _Answer:
         try:
-            return self._client.request(method, path, json=dict(body), headers=headers)
+            content = encode_body(body)
+        except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
+            # Refused before sending: the target never saw it, so the breaker must not count it.
+            raise UnsendablePayload(self._clean(f"{method} {path}: body cannot be encoded as JSON: {exc}")) from exc
+        request = self._client.build_request(
+            method, path, content=content, headers={**headers, "Content-Type": "application/json"}
+        )
+        try:
+            # Streamed so that a body httpx cannot decode still leaves us the status code to judge by.
+            response = self._client.send(request, stream=True)
+            try:
+                response.read()
+            except httpx.DecodingError as exc:
+                return _Answer(response, undecodable=self._clean(str(exc)) or type(exc).__name__)
+            finally:
+                response.close()
         except httpx.TimeoutException as exc:
             raise TargetUnavailable(self._clean(f"{method} {path}: timed out ({type(exc).__name__})")) from exc
         except httpx.TransportError as exc:
             raise TargetUnavailable(self._clean(f"{method} {path}: connection error: {exc}")) from exc
+        return _Answer(response)
 
-    def _refuse(self, method: str, path: str, response: httpx.Response, *, gone_on_404: bool) -> Exception:
-        code = response.status_code
-        what = f"{method} {path}: HTTP {code}: {self._excerpt(response)}"
+    def _refuse(self, method: str, path: str, answer: _Answer, *, gone_on_404: bool) -> Exception:
+        code = answer.status_code
+        what = f"{method} {path}: HTTP {code}: {self._excerpt(answer)}"
         if code in (404, 410) and gone_on_404:
             return RemoteGone(what)
         if code == 429 or code >= 500:
-            return TargetUnavailable(what, retry_after_seconds(response.headers.get("Retry-After")))
+            return TargetUnavailable(what, retry_after_seconds(answer.response.headers.get("Retry-After")))
         return RecordRejected(what)
 
     def _clean(self, text: str) -> str:
         return redact(text, self._token)
 
-    def _excerpt(self, response: httpx.Response) -> str:
+    def _excerpt(self, answer: _Answer) -> str:
+        if answer.undecodable is not None:
+            return f"<answer body not decodable: {answer.undecodable}>"[:BODY_EXCERPT]
         # Redact before cutting: a token straddling the cut would otherwise leak its first part.
-        return self._clean(response.text)[:BODY_EXCERPT]
+        return self._clean(answer.response.text)[:BODY_EXCERPT]
 
     def _create(self, body: Mapping[str, Any], idempotency_key: str) -> str:
         path = self.collection
-        response = self._send("POST", path, body, {"Idempotency-Key": idempotency_key})
-        if not response.is_success:
-            raise self._refuse("POST", path, response, gone_on_404=False)
+        answer = self._send("POST", path, body, {"Idempotency-Key": idempotency_key})
+        if not answer.is_success:
+            raise self._refuse("POST", path, answer, gone_on_404=False)
+        if answer.undecodable is not None:
+            # The create went through, but the id it made is in the body we cannot read.
+            raise Unaddressable(
+                f"POST {path}: HTTP {answer.status_code} answer body cannot be decoded: {answer.undecodable}"
+            )
         try:
-            answer = response.json()
+            decoded = answer.response.json()
         except ValueError as exc:
-            raise Unaddressable(self._clean(f"POST {path}: HTTP {response.status_code} answer is not JSON")) from exc
-        remote_id = answer.get(self.target.id_field) if isinstance(answer, dict) else None
+            raise Unaddressable(self._clean(f"POST {path}: HTTP {answer.status_code} answer is not JSON")) from exc
+        remote_id = decoded.get(self.target.id_field) if isinstance(decoded, dict) else None
         if remote_id is None or isinstance(remote_id, (dict, list, bool)) or str(remote_id) == "":
             raise Unaddressable(
-                f"POST {path}: HTTP {response.status_code} answer has no usable {self.target.id_field!r}: "
-                f"{self._excerpt(response)}"
+                f"POST {path}: HTTP {answer.status_code} answer has no usable {self.target.id_field!r}: "
+                f"{self._excerpt(answer)}"
             )
         return str(remote_id)
 
     def _update(self, remote_id: str, body: Mapping[str, Any]) -> None:
         path = f"{self.collection}/{_segment(remote_id)}"
-        response = self._send("PATCH", path, body, {})
-        if not response.is_success:
-            raise self._refuse("PATCH", path, response, gone_on_404=True)
+        answer = self._send("PATCH", path, body, {})
+        # A 2xx whose body cannot be decoded is still a success: an update needs nothing from it.
+        if not answer.is_success:
+            raise self._refuse("PATCH", path, answer, gone_on_404=True)
 
 
 def _segment(remote_id: str) -> str:

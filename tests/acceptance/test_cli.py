@@ -24,10 +24,11 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
+from delivery.apply import apply_config
 from delivery.config import parse_config
-from delivery.domain import ConnectionStatus
+from delivery.domain import ConnectionStatus, MirrorInput
 from delivery.store import catalog
-from delivery.store.mirror import MirrorInput, load_records
+from delivery.store.mirror import load_records
 from delivery.store.tables import connections, ledger, mirror_records, rules
 from tests.target_server import TargetServer
 
@@ -164,7 +165,7 @@ def assert_catalog_empty(engine: sa.Engine) -> None:
 def set_up(engine: sa.Engine, data: dict[str, Any], *records: dict[str, Any]) -> None:
     """In-process setup: apply `data` and load `records` into shop/contact."""
     with engine.begin() as conn:
-        catalog.apply_config(conn, parse_config(yaml.safe_dump(data)))
+        apply_config(conn, parse_config(yaml.safe_dump(data)))
         if records:
             load_records(conn, "shop", "contact", [MirrorInput(r["id"], r["payload"]) for r in records])
 
@@ -360,8 +361,24 @@ def test_connections_listing_and_status(engine: sa.Engine, applied: Path) -> Non
     for text in ("crm", "shop", "rest", "active", UNREACHABLE, "CRM_TOKEN"):
         assert text in table
     expected: list[dict[str, Any]] = [
-        {"name": "crm", "driver": "rest", "status": "active", "base_url": UNREACHABLE, "token_env": "CRM_TOKEN"},
-        {"name": "shop", "driver": None, "status": "active", "base_url": None, "token_env": None},
+        {
+            "name": "crm",
+            "driver": "rest",
+            "status": "active",
+            "base_url": UNREACHABLE,
+            "token_env": "CRM_TOKEN",
+            "token_secret": None,
+            "settle": "grouped",
+        },
+        {
+            "name": "shop",
+            "driver": None,
+            "status": "active",
+            "base_url": None,
+            "token_env": None,
+            "token_secret": None,
+            "settle": "grouped",
+        },
     ]
     assert as_json(delivery("connections", "--json", cwd=applied)) == expected
 
@@ -529,7 +546,7 @@ def env_without_database() -> dict[str, str]:
 def test_help_lists_every_command(tmp_path: Path) -> None:
     import typer.main
 
-    from delivery.cli import app
+    from flows.cli import app
 
     registered = set(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
     assert {"apply", "mirror", "connections", "connection-status", "rules", "ledger", "run", "db"} <= registered

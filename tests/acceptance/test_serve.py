@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.prefect_server import api_call
+
 DELIVERY = str(Path(sys.executable).parent / "delivery")
 
 
@@ -48,16 +50,14 @@ def test_serve_starts_a_local_server_serves_both_flows_and_stops_cleanly(tmp_pat
         assert f"Prefect UI: http://127.0.0.1:{port}" in first
         names: list[str] = []
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and sorted(names) != ["deliver-rule", "delivery-tick"]:
+        while time.monotonic() < deadline and sorted(names) != ["deliver-rule", "delivery-requeue", "delivery-tick"]:
             time.sleep(1)
             answer = httpx.post(f"{api}/deployments/filter", json={}, timeout=10)
-            names = [d["name"] for d in answer.json()]
-        assert sorted(names) == ["deliver-rule", "delivery-tick"]
-        tick = next(
-            d
-            for d in httpx.post(f"{api}/deployments/filter", json={}, timeout=10).json()
-            if d["name"] == "delivery-tick"
-        )
+            names = [d["name"] for d in answer.json()] if answer.status_code == 200 else []
+        assert sorted(names) == ["deliver-rule", "delivery-requeue", "delivery-tick"]
+        deployments = api_call("POST", f"{api}/deployments/filter", json={})
+        assert isinstance(deployments, list)
+        tick = next(d for d in deployments if d["name"] == "delivery-tick")
         assert tick["schedules"][0]["schedule"]["cron"] == "*/5 * * * *"
     finally:
         proc.send_signal(signal.SIGTERM)

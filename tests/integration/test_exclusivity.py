@@ -4,22 +4,26 @@ racing a manual run, dead chains, and a holder killed with SIGKILL mid-batch."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import pytest
 import sqlalchemy as sa
 
+from delivery.chain import Chain
 from delivery.clock import utcnow
 from delivery.domain import Phase
-from delivery.engine import Chain
-from delivery.store.tables import chains, ledger
+from delivery.store.tables import chains, ledger, rules
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
 
@@ -53,7 +57,7 @@ def _ids(n: int) -> list[str]:
 def _assert_each_created_once(world: World, ids: list[str]) -> None:
     posts: dict[str, int] = {}
     for request in world.target.requests:
-        if request.method == "POST":
+        if request.method == "POST" and request.key is not None:
             posts[request.key] = posts.get(request.key, 0) + 1
     assert {world.key(i) for i in ids} == set(posts)
     assert set(posts.values()) == {1}, {k: v for k, v in posts.items() if v != 1}
@@ -64,13 +68,19 @@ def _assert_each_created_once(world: World, ids: list[str]) -> None:
 # -- the fence --------------------------------------------------------------------------------------
 
 
-def test_a_superseded_chains_job_writes_nothing(world: World) -> None:
+def _older_at_work_and_a_newer_chain(world: World) -> tuple[Chain, Chain]:
+    """12 records; a chain that has done one job (5 of them), and a newer chain just opened."""
     world.load(*_ids(12))
     older = Chain(world.engine, RULE)
     assert older.open() is None
     assert older.run_batch(Phase.SCAN).attempted == 5
     newer = Chain(world.engine, RULE)
     assert newer.open() is None
+    return older, newer
+
+
+def test_a_superseded_chains_job_writes_nothing(world: World) -> None:
+    older, newer = _older_at_work_and_a_newer_chain(world)
     assert newer.run_batch(Phase.SCAN).attempted == 5  # claims the rule: the older chain is superseded
     before = (world.ledger(), world.cursor(), len(world.target.requests))
     late = older.run_batch(Phase.SCAN)
@@ -92,36 +102,190 @@ def test_an_older_chain_cannot_take_the_rule_back(world: World) -> None:
     newer.finish()
 
 
+def test_a_chain_hands_the_rule_over_to_a_newer_chain_waiting_for_it(world: World) -> None:
+    """The chain holding the rule retakes the lock the moment it lets go, while a newer one waits
+    in steps: at its next job the older chain ends superseded instead, writing nothing, and the
+    newer chain goes on from the cursor."""
+    older, newer = _older_at_work_and_a_newer_chain(world)  # newer: waiting, heartbeat fresh
+    before = (world.ledger(), world.cursor(), len(world.target.requests))
+    handed = older.run_batch(Phase.SCAN)
+    assert handed.ended_by is not None and handed.ended_by.value == "superseded" and handed.attempted == 0
+    assert handed.message is not None and "newer chain" in handed.message and "waiting" in handed.message
+    assert (world.ledger(), world.cursor(), len(world.target.requests)) == before
+    assert newer.run_batch(Phase.SCAN).attempted == 5
+    assert newer.run_batch(Phase.SCAN).attempted == 2
+    assert world.rule_row()["chain_token"] == newer.token
+    older.finish()
+    newer.finish()
+    assert {row["status"] for row in world.ledger().values()} == {"delivered"}
+
+
+def test_a_newer_chain_silent_past_its_wait_steps_is_not_handed_the_rule(world: World) -> None:
+    """A newer chain killed while it waited stops beating: the chain at work does not hand the rule
+    to it (nobody would take it until the tick buried the dead one)."""
+    older, newer = _older_at_work_and_a_newer_chain(world)
+    with world.engine.begin() as conn:
+        conn.execute(
+            chains.update().where(chains.c.token == newer.token).values(heartbeat_at=utcnow() - timedelta(minutes=2))
+        )
+    assert older.run_batch(Phase.SCAN).attempted == 5
+    older.finish()
+    newer.finish()
+
+
 # -- concurrent runs ----------------------------------------------------------------------------------
+
+
+async def _first_job_started(flow_run_id: str) -> datetime | None:
+    """When the chain's drain subflow began: its first job then takes (or waits for) the rule lock."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    async with get_client() as client:
+        runs = await client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["drain"])),
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[UUID(flow_run_id)])),
+        )
+    starts = [run.start_time for run in runs if run.start_time is not None]
+    return min(starts) if starts else None
+
+
+class _Contention:
+    """Keeps the target slow until two chains of the rule are at work at once, then fast.
+
+    Slow (600 ms a write: a job of 5 takes 3 s) means the chain that starts first is still in a
+    job when the other one's first job comes for the rule (it then hands the rule over at its next
+    job), so the race cannot quietly turn into two chains one after the other. At work at once
+    means: both chains open in the database and both past the start of their first job (their
+    drain subflow is running in Prefect). From then on the target answers at once, so the test
+    pays for no more slowness than it needs. The watcher runs in the Prefect settings context of
+    the test (the harness's API)."""
+
+    SLOW_MS = 600
+
+    def __init__(self, world: World, timeout: float = 120) -> None:
+        self.world = world
+        self.timeout = timeout
+        self.claimed: str | None = None
+        self.seen = threading.Event()
+        self._stop = threading.Event()
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._watch,), daemon=True)
+
+    def __enter__(self) -> _Contention:
+        # A client timeout well above the slow answers: a slow write must not turn into a failure.
+        self.world.apply(rule={"batch_size": 5}, target={"timeout_seconds": 5})
+        self.world.target.latency_ms = self.SLOW_MS
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.world.target.latency_ms = 0
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        working: dict[str, datetime] = {}
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            with self.world.engine.connect() as conn:
+                self.claimed = (
+                    self.claimed or conn.execute(sa.select(rules.c.chain_token).where(rules.c.name == RULE)).scalar()
+                )
+                running = conn.execute(
+                    sa.select(chains.c.token, chains.c.flow_run_id).where(
+                        chains.c.ended_at.is_(None), chains.c.flow_run_id.is_not(None)
+                    )
+                ).all()
+            for token, flow_run_id in running:
+                if token not in working and (started := asyncio.run(_first_job_started(flow_run_id))):
+                    working[token] = started
+            if len({token for token, _ in running} & set(working)) >= 2:
+                self.seen.set()
+                self.world.target.latency_ms = 0
+                return
+            time.sleep(0.1)
+
+    def wait_for_a_claim(self, timeout: float = 60) -> str:
+        """The token of the first chain to claim the rule (its first job holds the lock)."""
+        deadline = time.monotonic() + timeout
+        while self.claimed is None:
+            assert time.monotonic() < deadline, "no chain claimed the rule"
+            time.sleep(0.05)
+        return self.claimed
+
+
+def _assert_the_chains_overlapped(world: World) -> list[Any]:
+    """Judged after the fact from the chain rows and Prefect's runs, apart from the watcher: both
+    chains were alive at once, and each one's first job began before the other chain ended (so at
+    least one job waited for, or took, the rule while the other chain held it). Chains run one
+    after the other fail this: the later one starts after the earlier one ended."""
+    with world.engine.connect() as conn:
+        runs = conn.execute(sa.select(chains).order_by(chains.c.started_at)).all()
+    assert len(runs) == 2 and all(run.ended_at is not None for run in runs), runs
+    for run, other in (runs, runs[::-1]):
+        first_job = asyncio.run(_first_job_started(run.flow_run_id))
+        assert first_job is not None and run.started_at <= first_job < other.ended_at, (first_job, runs)
+    assert {run.ended_by for run in runs} <= {"caught_up", "superseded"}, runs
+    return list(runs)
 
 
 def test_two_delivery_runs_started_together_deliver_every_record_exactly_once(world: World, tmp_path: Path) -> None:
     ids = _ids(40)
     world.load(*ids)
-    world.target.latency_ms = 15
-    env = _env()
-    runs = [_spawn(env, tmp_path) for _ in range(2)]
-    results = [run.communicate(timeout=300) for run in runs]
+    with _Contention(world) as contention:
+        env = _env()
+        runs = [_spawn(env, tmp_path) for _ in range(2)]
+        results = [run.communicate(timeout=300) for run in runs]
     assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in results]
+    assert contention.seen.is_set(), "the two runs never contended for the rule"
+    chain_runs = _assert_the_chains_overlapped(world)
     _assert_each_created_once(world, ids)
-    import json
-
     ended = sorted(json.loads(out)["ended_by"] for out, _ in results)
-    assert set(ended) <= {"caught_up", "superseded"}
+    assert ended == sorted(run.ended_by for run in chain_runs)
+
+
+def test_a_manual_run_takes_over_a_busy_chain_at_its_next_job(world: World, tmp_path: Path) -> None:
+    """A chain with many jobs to go retakes the lock each time it lets go; a manual run started
+    meanwhile must not wait out the whole chain: the busy chain ends superseded at its next job and
+    the manual run delivers the rest."""
+    ids = _ids(60)
+    world.load(*ids)
+    world.target.latency_ms = 300  # 1.5 s a job of 5: the first chain alone would take 18 s
+    env = _env(DELIVERY_LOCK_WAIT_STEP_SECONDS="2")
+    busy = _spawn(env, tmp_path)
+    _wait_for_rows(world, 1, busy)
+    manual = _spawn(env, tmp_path)
+    manual_out, manual_err = manual.communicate(timeout=300)
+    busy_out, busy_err = busy.communicate(timeout=300)
+    assert (busy.returncode, manual.returncode) == (0, 0), (busy_err[-2000:], manual_err[-2000:])
+    busy_result, manual_result = json.loads(busy_out), json.loads(manual_out)
+    # Handed over at its next job start, or (a waiter polling in the moment between two jobs may
+    # win the lock) found superseded by then: either way it did not run its remaining jobs.
+    assert busy_result["ended_by"] == "superseded", busy_result
+    assert manual_result["ended_by"] == "caught_up" and manual_result["counts"]["delivered"] > 0, manual_result
+    _assert_each_created_once(world, ids)
 
 
 def test_a_tick_racing_a_manual_run_delivers_every_record_exactly_once(world: World, tmp_path: Path) -> None:
-    from flows.tick import delivery_tick
-
-    ids = _ids(30)
+    ids = _ids(40)
     world.load(*ids)
-    world.target.latency_ms = 15
-    manual = _spawn(_env(), tmp_path)
-    time.sleep(1.0)
-    tick_state = asyncio.run(delivery_tick(return_state=True))  # type: ignore[call-overload]
-    _out, err = manual.communicate(timeout=300)
+    with _Contention(world) as contention:
+        # The tick first, in a thread (with this thread's Prefect settings): it starts a chain, as
+        # no chain of the rule is alive; the manual run is launched once that chain holds the rule.
+        tick: list[Any] = []
+        context = contextvars.copy_context()
+        ticking = threading.Thread(target=context.run, args=(lambda: tick.append(_tick()),), daemon=True)
+        ticking.start()
+        tick_token = contention.wait_for_a_claim()
+        manual = _spawn(_env(), tmp_path)
+        _out, err = manual.communicate(timeout=300)
+        ticking.join(timeout=300)
     assert manual.returncode == 0, err[-2000:]
-    assert tick_state.is_completed()
+    assert contention.seen.is_set(), "the manual run never contended with the tick's chain"
+    assert len(tick) == 1 and tick[0].is_completed() and "1 started" in tick[0].message
+    chain_runs = _assert_the_chains_overlapped(world)
+    assert chain_runs[0].token == tick_token  # the tick's chain first, the manual run's second
     _assert_each_created_once(world, ids)
 
 
@@ -131,7 +295,7 @@ def test_a_tick_racing_a_manual_run_delivers_every_record_exactly_once(world: Wo
 def _tick(**kwargs: Any) -> Any:
     from flows.tick import delivery_tick
 
-    return asyncio.run(delivery_tick(return_state=True, **kwargs))  # type: ignore[call-overload]
+    return asyncio.run(delivery_tick(return_state=True, **kwargs))  # type: ignore[arg-type]
 
 
 def test_tick_starts_a_chain_per_enabled_rule_and_leaves_alive_ones_alone(world: World) -> None:
@@ -139,11 +303,11 @@ def test_tick_starts_a_chain_per_enabled_rule_and_leaves_alive_ones_alone(world:
     config["rules"].append({**config["rules"][0], "name": "paused", "domain": "lead", "enabled": False})
     import yaml
 
+    from delivery.apply import apply_config
     from delivery.config import parse_config
-    from delivery.store import catalog
 
     with world.engine.begin() as conn:
-        catalog.apply_config(conn, parse_config(yaml.safe_dump(config)))
+        apply_config(conn, parse_config(yaml.safe_dump(config)))
     world.load(*_ids(3))
     state = _tick()
     assert state.is_completed() and "1 started" in state.message
@@ -175,8 +339,6 @@ async def _scheduled_flow_run() -> str:
 
 
 async def _state_of(flow_run_id: str) -> str:
-    from uuid import UUID
-
     from prefect import get_client
 
     async with get_client() as client:
@@ -198,7 +360,8 @@ def test_tick_judges_a_silent_chain_dead_cancels_its_run_and_its_late_job_writes
 
     state = _tick()
     assert state.is_completed() and "1 dead replaced" in state.message and "1 started" in state.message
-    assert asyncio.run(_state_of(flow_run_id)) == "CANCELLED"
+    # Cancelling, not forced Cancelled: a worker running it stops the process and marks it Cancelled.
+    assert asyncio.run(_state_of(flow_run_id)) == "CANCELLING"
     assert world.rule_row()["chain_token"] != dead.token
     with world.engine.connect() as conn:
         old = conn.execute(sa.select(chains).where(chains.c.token == dead.token)).one()

@@ -1,12 +1,13 @@
 """Putting parked records back (`delivery requeue`, `delivery.store.requeue`) and the operator's
 overview (`delivery status`), on SQLite and PostgreSQL. Records are parked and delivered by the
 real deliver-rule flow against the real local HTTP target; the CLI runs in process (CliRunner on
-`delivery.cli.app`; refusals through `delivery.cli.main`, which turns them into exit 2)."""
+`flows.cli.app`; refusals through `flows.cli.main`, which turns them into exit 2)."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -14,12 +15,12 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
-from delivery.cli import app, main
 from delivery.clock import utcnow
 from delivery.domain import LedgerStatus
 from delivery.store import catalog
 from delivery.store import requeue as requeue_store
-from delivery.store.tables import connections, ledger, requeues
+from delivery.store.tables import connections, ledger, requeues, rules
+from flows.cli import app, main
 from tests.integration.world import RULE, World
 from tests.target_server import Answer, TargetServer
 
@@ -40,7 +41,7 @@ def cli_json(*args: str) -> Any:
 
 
 def refused(monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
-    """Run the `delivery` console script (delivery.cli:main) in process; expect exit 2 and return
+    """Run the `delivery` console script (flows.cli:main) in process; expect exit 2 and return
     what it wrote to stderr."""
     monkeypatch.setattr(sys, "argv", ["delivery", *args])
     with CliRunner().isolation() as (stdout, stderr, _):
@@ -353,6 +354,7 @@ def test_status_of_a_caught_up_rule(world: World) -> None:
     assert row["counts"] == {**dict.fromkeys(STATUSES, 0), "delivered": 2}
     assert row["due_retries"] == 0
     assert row["last_chain"]["ended_by"] == "caught_up"
+    assert row["last_chain"]["message"] == "caught up: 2 delivered"
     assert row["last_chain"]["ended_at"] is not None
     cli("status")
 
@@ -393,3 +395,21 @@ def test_status_lag_counts_a_failed_row_behind_the_cursor(world: World) -> None:
     assert row["cursor"]["record_id"] == world.record_id("b")  # the cursor moved past the failure
     assert row["counts"]["failed"] == 1 and row["counts"]["delivered"] == 1
     assert row["cursor_lag_seconds"] > 0  # a's change is still undelivered
+
+
+def test_status_shows_no_lag_for_changes_delivered_beyond_a_cursor_that_did_not_move(world: World) -> None:
+    """A chain killed after its records settled but before its cursor moved leaves them delivered
+    beyond the cursor; the next chain finds nothing to send and the cursor stays. Nothing is
+    behind, and status must not say so (a lag alert would fire until the next change)."""
+    world.load("a", "b")
+    world.run()
+    with world.engine.begin() as conn:
+        conn.execute(rules.update().where(rules.c.name == RULE).values(cursor_changed_at=None, cursor_record_id=None))
+    assert world.run()["ended_by"] == "caught_up"
+    [row] = cli_json("status")
+    assert row["counts"]["delivered"] == 2
+    assert row["cursor_lag_seconds"] == 0
+    world.load("c")
+    time.sleep(0.2)  # the lag is shown to a tenth of a second
+    [row] = cli_json("status")
+    assert row["cursor_lag_seconds"] > 0  # c's change is waiting

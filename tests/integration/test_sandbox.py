@@ -4,6 +4,10 @@ contract, idempotency, fault injection, persistence, and the engine's own RestWr
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,9 +17,11 @@ import httpx
 import pytest
 
 from delivery.domain import Connection, ConnectionStatus
-from delivery.errors import RemoteGone, TargetUnavailable
-from delivery.sandbox import SandboxServer, SandboxSettings, create_app
+from delivery.errors import InputError, RemoteGone, TargetUnavailable
 from delivery.writers.rest import RestWriter
+from playground.sandbox import MAX_BODY_BYTES, SandboxServer, SandboxSettings, create_app, serve
+
+DELIVERY = Path(sys.executable).parent / "delivery"
 
 
 def settings(**overrides: Any) -> SandboxSettings:
@@ -105,6 +111,54 @@ def test_get_list_limit_and_delete(client: httpx.Client) -> None:
     assert client.post("contacts", json={}).json()["id"] == "c-4"
     assert client.put("contacts", json={}).status_code == 405
     assert client.get("_nope").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "allow"),
+    [
+        ("POST", "/healthz", 405, "GET"),
+        ("HEAD", "/api/contacts", 405, "GET, POST"),
+        ("PUT", "/api/contacts", 405, "GET, POST"),
+        ("POST", "/api/contacts/c-1", 405, "GET, PATCH, DELETE"),
+        ("POST", "/api/_stats", 405, "GET"),  # its own endpoint, not a collection named `_stats`
+        ("DELETE", "/api/_faults", 405, "GET, PUT"),
+        ("POST", "/api/_nope", 404, None),
+        ("GET", "/api/contacts/c-1/x", 404, None),
+        ("GET", "/api//c-1", 404, None),
+        ("GET", "/api", 404, None),
+        ("GET", "/nope", 404, None),
+    ],
+)
+def test_unrouted_requests_answer_a_json_error(
+    server: SandboxServer, method: str, path: str, status: int, allow: str | None
+) -> None:
+    root = server.url.removesuffix("/api")
+    answer = httpx.request(method, root + path, timeout=5.0)
+    assert (answer.status_code, answer.headers.get("allow")) == (status, allow)
+    if method != "HEAD":
+        assert answer.json() == {"error": "method not allowed" if status == 405 else "not found"}
+
+
+def test_a_trailing_slash_is_the_same_address(client: httpx.Client) -> None:
+    assert client.post("contacts/", json={"n": 1}).status_code == 201
+    assert [r["id"] for r in client.get("contacts/").json()] == ["c-1"]
+    assert client.get("contacts/c-1/").json() == {"id": "c-1", "n": 1}
+    assert client.get("_stats/").status_code == 200
+
+
+def test_a_body_over_the_limit_is_413_and_nothing_is_stored(client: httpx.Client) -> None:
+    answer = client.post("contacts", content=b"x" * (MAX_BODY_BYTES + 1))
+    assert answer.status_code == 413
+    assert str(MAX_BODY_BYTES) in answer.json()["error"]
+    assert client.get("contacts").json() == []
+
+
+def test_a_token_guards_unknown_paths_under_the_api_too() -> None:
+    with SandboxServer(settings(token="s3cret")) as server, httpx.Client() as c:
+        for path in ("/api", "/api/_nope", "/api/contacts/c-1/x"):
+            answer = c.get(server.url.removesuffix("/api") + path)
+            assert (answer.status_code, answer.headers["www-authenticate"]) == (401, "Bearer"), path
+        assert c.get(server.url.removesuffix("/api") + "/nope").status_code == 404
 
 
 def test_a_token_guards_the_api_but_not_healthz() -> None:
@@ -275,3 +329,52 @@ def test_bad_settings_name_the_field(field: str, value: Any) -> None:
 def test_a_taken_port_raises_oserror(server: SandboxServer) -> None:
     with pytest.raises(OSError, match="cannot listen"):
         SandboxServer(settings(port=server.port)).start()
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])
+
+
+def sandbox_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(DELIVERY), "sandbox", *args], cwd=cwd, env=dict(os.environ), capture_output=True, text=True, timeout=60
+    )
+
+
+def test_serve_refuses_a_taken_port_as_bad_input_naming_the_flag(taken_port: int) -> None:
+    with pytest.raises(InputError) as caught:
+        serve(settings(port=taken_port))
+    assert str(caught.value) == f"--port {taken_port}: cannot listen on 127.0.0.1:{taken_port}: Address already in use"
+
+
+@pytest.mark.parametrize("where", ["missing-dir", "a-directory"])
+def test_serve_refuses_an_unusable_db_as_bad_input_naming_the_flag(tmp_path: Path, where: str) -> None:
+    path = tmp_path / "missing" / "x.db" if where == "missing-dir" else tmp_path
+    with pytest.raises(InputError) as caught:
+        serve(settings(db_path=str(path)))
+    expected = (
+        f"--db {path}: its directory {path.parent} does not exist"
+        if where == "missing-dir"
+        else f"--db {path}: cannot be used as the sandbox database: unable to open database file"
+    )
+    assert str(caught.value) == expected
+    assert not (tmp_path / "missing").exists()
+
+
+def test_the_cli_exits_2_with_one_line_for_a_taken_port_or_an_unusable_db(tmp_path: Path, taken_port: int) -> None:
+    taken = sandbox_cli("--port", str(taken_port), cwd=tmp_path)
+    assert (taken.returncode, taken.stderr) == (
+        2,
+        f"error: --port {taken_port}: cannot listen on 127.0.0.1:{taken_port}: Address already in use\n",
+    )
+    missing = tmp_path / "nonexistent" / "x.db"
+    unusable = sandbox_cli("--port", "0", "--db", str(missing), cwd=tmp_path)
+    assert (unusable.returncode, unusable.stderr) == (
+        2,
+        f"error: --db {missing}: its directory {missing.parent} does not exist\n",
+    )
+    assert taken.stdout == unusable.stdout == ""

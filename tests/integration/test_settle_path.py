@@ -1,51 +1,36 @@
 """The per-record path's shortcuts keep the semantics: the breaker row read with each settle stands in
 for the breaker's own reads, a trip elsewhere is seen one record later, the heartbeat still moves
-during a long batch, and on PostgreSQL settles share the fence while a supersede still waits."""
+during a long batch, and on PostgreSQL settles share the fence while a supersede still waits.
+(A target settled `per_record`; tests/integration/test_grouped_settles.py covers grouped settles.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from datetime import datetime
 from typing import Any
 
-import pybreaker
 import pytest
 import sqlalchemy as sa
 
+from delivery import chain as chain_module
 from delivery import db
-from delivery import engine as engine_module
+from delivery.breaker import TargetBreaker
+from delivery.chain import Chain
 from delivery.clock import utcnow
 from delivery.domain import ChainEnd, Phase
-from delivery.engine import Chain, make_breaker
 from delivery.errors import TargetUnavailable
 from delivery.store import chains
 from delivery.store.breaker import DatabaseBreakerStorage
+from tests.integration.engine_events import Statements
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
 
 
 @pytest.fixture
 def world(engine: sa.Engine, target: TargetServer) -> World:
-    return World(engine, target).apply()
-
-
-class Statements:
-    """Counts the SQL statements an engine sends."""
-
-    def __init__(self, engine: sa.Engine) -> None:
-        self.engine = engine
-        self.count = 0
-
-    def _seen(self, *_: Any) -> None:
-        self.count += 1
-
-    def __enter__(self) -> Statements:
-        sa.event.listen(self.engine, "before_cursor_execute", self._seen)
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        sa.event.remove(self.engine, "before_cursor_execute", self._seen)
+    return World(engine, target).apply(target={"settle": "per_record"})
 
 
 def _fail() -> None:
@@ -60,23 +45,18 @@ def _observed(world: World, storage: DatabaseBreakerStorage) -> None:
         storage.observe(conn, row)
 
 
-def _breaker(engine: sa.Engine, world: World, fail_max: int = 3) -> pybreaker.CircuitBreaker:
-    return pybreaker.CircuitBreaker(
-        fail_max=fail_max,
-        reset_timeout=60,
-        state_storage=DatabaseBreakerStorage(engine, Chain(world.engine, RULE).rule.target.id),
-        throw_new_error_on_trip=False,
-    )
+def _breaker(engine: sa.Engine, world: World, fail_max: int = 3) -> TargetBreaker:
+    rule = Chain(world.engine, RULE).rule
+    target = dataclasses.replace(rule.target, breaker=dataclasses.replace(rule.target.breaker, fail_max=fail_max))
+    return TargetBreaker(engine, dataclasses.replace(rule, target=target))
 
 
-def _storage(breaker: pybreaker.CircuitBreaker) -> DatabaseBreakerStorage:
-    storage = breaker._state_storage
-    assert isinstance(storage, DatabaseBreakerStorage)
-    return storage
+def _storage(breaker: TargetBreaker) -> DatabaseBreakerStorage:
+    return breaker.storage
 
 
 def test_a_breaker_row_read_with_a_settle_stands_in_for_the_breakers_reads(world: World) -> None:
-    breaker = make_breaker(world.engine, Chain(world.engine, RULE).rule)
+    breaker = TargetBreaker(world.engine, Chain(world.engine, RULE).rule)
     _observed(world, _storage(breaker))
     with Statements(world.engine) as seen:
         assert breaker.call(lambda: 42) == 42
@@ -120,7 +100,7 @@ def test_an_observed_row_goes_stale_after_a_second(world: World, monkeypatch: py
     assert storage.state == "closed"  # what the database says
 
 
-def test_a_breaker_tripped_by_another_process_is_seen_one_record_later(world: World, db_url: str) -> None:
+def test_a_breaker_tripped_by_another_process_is_seen_before_the_next_create(world: World, db_url: str) -> None:
     world.load(*[f"r{n}" for n in range(6)])
     other_engine = db.create_engine(db_url)  # another worker process delivering to the same target
     try:
@@ -143,11 +123,11 @@ def test_a_breaker_tripped_by_another_process_is_seen_one_record_later(world: Wo
         chain.finish()
     finally:
         other_engine.dispose()
-    # Record 2 goes out on the row read with record 1's settle; the row read with record 2's
-    # settle shows the trip, and record 3 is not sent.
-    assert report.ended_by is ChainEnd.BREAKER_OPEN and report.attempted == 2
-    assert len([r for r in world.target.requests if r.method == "POST"]) == 2
-    assert len(world.ledger()) == 2
+    # A create's intent is written under the fence, which reads the breaker row: the row read
+    # before record 2's create shows the trip, so record 2 is not sent and leaves no intent.
+    assert report.ended_by is ChainEnd.BREAKER_OPEN and report.attempted == 1
+    assert len([r for r in world.target.requests if r.method == "POST"]) == 1
+    assert len(world.ledger()) == 1
 
 
 @pytest.fixture
@@ -165,7 +145,9 @@ def beats(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 def test_the_heartbeat_moves_during_a_long_batch_but_not_per_record(world: World, beats: list[float]) -> None:
-    world.apply(target={"timeout_seconds": 10})  # slow answers, not timeouts, on a loaded machine
+    world.apply(
+        target={"timeout_seconds": 10, "settle": "per_record"}
+    )  # slow answers, not timeouts, on a loaded machine
     world.load(*[f"r{n}" for n in range(8)])
     world.target.latency_ms = 300  # eight records: a batch of about 2.4 s
     chain = Chain(world.engine, RULE)
@@ -184,7 +166,7 @@ def test_the_heartbeat_moves_during_a_long_batch_but_not_per_record(world: World
 def test_a_fast_batch_writes_the_heartbeat_as_the_job_starts_and_as_the_cursor_moves(
     world: World, beats: list[float], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine_module, "HEARTBEAT_SECONDS", 3600.0)
+    monkeypatch.setattr(chain_module, "HEARTBEAT_SECONDS", 3600.0)
     world.load(*[f"r{n}" for n in range(10)])
     chain = Chain(world.engine, RULE)
     assert chain.open() is None

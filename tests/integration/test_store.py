@@ -8,11 +8,13 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
+from delivery.apply import apply_config
 from delivery.config import parse_config
+from delivery.domain import MirrorInput
 from delivery.errors import ConfigError, MirrorLoadError, UnknownName
 from delivery.mirror_file import parse_line
 from delivery.store import catalog
-from delivery.store.mirror import MirrorInput, load_records
+from delivery.store.mirror import load_records
 from delivery.store.tables import connections, mirror_records, rules
 
 CONFIG = """
@@ -26,7 +28,7 @@ rules:
 
 def apply(engine: sa.Engine, text: str) -> catalog.ApplyReport:
     with engine.begin() as conn:
-        return catalog.apply_config(conn, parse_config(text))
+        return apply_config(conn, parse_config(text))
 
 
 def table(engine: sa.Engine, t: sa.Table) -> list[dict]:  # type: ignore[type-arg]

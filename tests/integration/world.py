@@ -8,12 +8,13 @@ from typing import Any
 import sqlalchemy as sa
 import yaml
 
+from delivery.apply import apply_config
 from delivery.clock import utcnow
 from delivery.config import parse_config
-from delivery.domain import Cursor
+from delivery.domain import Cursor, MirrorInput
 from delivery.store import catalog
 from delivery.store import ledger as ledger_store
-from delivery.store.mirror import MirrorInput, load_records
+from delivery.store.mirror import load_records
 from delivery.store.tables import ledger, mirror_records, rules
 from flows.deliver_rule import run_now
 from tests.target_server import TargetServer
@@ -63,7 +64,7 @@ class World:
 
     def apply(self, **overrides: Any) -> World:
         with self.engine.begin() as conn:
-            catalog.apply_config(conn, parse_config(yaml.safe_dump(self.config(**overrides))))
+            apply_config(conn, parse_config(yaml.safe_dump(self.config(**overrides))))
         return self
 
     def load(self, *ids: str, deleted: bool = False, domain: str = "contact", **fields: Any) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from delivery.config import DeliveryConfig, check_rules, load_config, parse_config
-from delivery.domain import ConnectionStatus, Policy
+from delivery.config import DeliveryConfig, check_rules, check_text, load_config, parse_config
+from delivery.domain import ConnectionStatus, Policy, SavedRule
 from delivery.errors import ConfigError, InputError
 
 EXAMPLE = """\
@@ -507,3 +507,102 @@ def test_rule_and_connection_problems_together() -> None:
         "rules[0].policy",
         "connections[0].base_url",
     ]
+
+
+# --- check_rules: saved rules under a connection the file changes --------------------------------
+
+SAVED = SavedRule("contacts-to-crm", "crm", Policy.CREATE_AND_UPDATE)
+
+
+def saved_problems(text: str, known: dict[str, str | None], saved: list[SavedRule]) -> list[str]:
+    """`known` is what the caller passes: the file's drivers already merged over the database's."""
+    with pytest.raises(ConfigError) as caught:
+        check_rules(parse_config(text), known, saved)
+    return caught.value.problems
+
+
+def test_a_driver_change_that_drops_a_verb_a_saved_rule_needs_is_refused() -> None:
+    text = "connections:\n  - {name: shop}\n  - {name: crm, driver: rest-create-only, base_url: 'http://t.test/api'}\n"
+    assert saved_problems(text, {"shop": None, "crm": "rest-create-only"}, [SAVED]) == [
+        "connections[1].driver: rule 'contacts-to-crm' (saved) targets 'crm', whose driver 'rest-create-only' "
+        "does not offer the 'update' verb its policy 'create_and_update' needs"
+    ]
+
+
+def test_redeclaring_a_saved_rules_target_without_a_driver_is_refused() -> None:
+    assert saved_problems("connections:\n  - {name: crm}\n", {"shop": None, "crm": None}, [SAVED]) == [
+        "connections[0].driver: rule 'contacts-to-crm' (saved) targets 'crm', which the file declares without a "
+        "driver, so no writer offers the 'create' and 'update' verbs its policy 'create_and_update' needs"
+    ]
+
+
+def test_a_driver_without_a_writer_under_a_saved_rule_is_refused() -> None:
+    text = "connections:\n  - {name: crm, driver: soap}\n"
+    (problem,) = saved_problems(text, {"shop": None, "crm": "soap"}, [SAVED])
+    assert problem.startswith("connections[0].driver: rule 'contacts-to-crm' (saved) targets 'crm', whose driver")
+    assert "'soap' has no registered writer" in problem and "'create' and 'update' verbs" in problem
+
+
+def test_every_saved_rule_on_the_changed_target_is_named() -> None:
+    saved = [SAVED, SavedRule("orders-to-crm", "crm", Policy.UPDATE_ONLY), SavedRule("new", "crm", Policy.CREATE_ONLY)]
+    text = "connections:\n  - {name: crm, driver: rest-create-only, base_url: 'http://t.test/api'}\n"
+    problems = saved_problems(text, {"shop": None, "crm": "rest-create-only"}, saved)
+    assert len(problems) == 2
+    assert "'contacts-to-crm' (saved)" in problems[0] and "'orders-to-crm' (saved)" in problems[1]
+
+
+def test_a_file_that_fixes_the_connection_and_the_rule_together_passes() -> None:
+    text = rule_doc("rest-create-only", "create_only").replace("name: r,", "name: contacts-to-crm,")
+    check_rules(parse_config(text), {"shop": None, "crm": "rest-create-only"}, [SAVED])
+
+
+def test_a_saved_rule_whose_target_the_file_leaves_alone_is_not_checked() -> None:
+    # The file changes nothing under it; a rule broken by an uninstalled driver fails at run time.
+    check_rules(parse_config("connections:\n  - {name: shop}\n"), {"shop": None, "crm": "soap"}, [SAVED])
+
+
+def test_a_saved_rule_the_file_redeclares_is_checked_once_as_the_files_rule() -> None:
+    text = rule_doc("rest-create-only", "create_and_update").replace("name: r,", "name: contacts-to-crm,")
+    problems = saved_problems(text, {"shop": None, "crm": "rest-create-only"}, [SAVED])
+    assert [p.split(":")[0] for p in problems] == ["rules[0].policy"]
+
+
+# --- text neither database stores alike ------------------------------------------------------------
+
+
+NUL = "holds a NUL character (\\u0000), which PostgreSQL cannot store"
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (RULE % "enabled: true", None),
+        (RULE.replace("domain: contact", 'domain: "con\\0tact"') % "enabled: true", f"rules[0].domain: {NUL}"),
+        (RULE % 'fields: {email: "e\\x00"}', f"rules[0].fields.email: {NUL}"),
+        (RULE % 'fields: {"e\\0": email}', f"rules[0].fields: a key {NUL}"),
+        (
+            CONNECTION % 'id_field: "\\ud800"',
+            "connections[0].id_field: holds a lone surrogate (\\ud800), which is not valid Unicode",
+        ),
+        (CONNECTION % 'driver: "rest\\0"', f"connections[0].driver: {NUL}"),
+    ],
+    ids=["fine", "nul-in-domain", "nul-in-a-field", "nul-in-a-field-key", "surrogate", "nul-in-driver"],
+)
+def test_a_nul_or_a_lone_surrogate_anywhere_is_refused_by_its_path(text: str, problem: str | None) -> None:
+    """YAML's "\\0" and "\\ud800" escapes: PostgreSQL refuses a NUL (SQLite would keep it), and a lone
+    surrogate cannot be encoded for either; no pattern or length check stops them in a free-text field."""
+    if problem is None:
+        parse_config(text)
+        return
+    assert problems_of(text) == [problem]
+
+
+def test_check_text_refuses_a_config_built_without_the_file() -> None:
+    """`apply_config` takes a DeliveryConfig however it was built: it checks the text itself too."""
+    config = DeliveryConfig.model_validate(
+        {"rules": [{"name": "r", "source": "s", "domain": "a\x00", "target": "t", "collection": "c"}]}
+    )
+    with pytest.raises(ConfigError) as caught:
+        check_text(config)
+    assert caught.value.problems == [f"rules[0].domain: {NUL}"]
+    check_text(parse_config(EXAMPLE))

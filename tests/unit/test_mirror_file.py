@@ -4,13 +4,15 @@ and the file streamed rather than read whole."""
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
 
+from delivery.domain import MirrorInput
 from delivery.errors import InputError, MirrorLoadError
 from delivery.mirror_file import parse_line, read_mirror_file
-from delivery.store.mirror import MirrorInput
 
 
 def refusal(number: int, line: str) -> MirrorLoadError:
@@ -127,12 +129,14 @@ def test_misspelt_key_is_unknown_before_anything_else() -> None:
     ids=["missing", "null", "empty", "blank", "float", "list", "object"],
 )
 def test_missing_or_empty_id(line: str) -> None:
-    assert str(refusal(4, line)) == "line 4: 'id' must be a non-empty string"
+    # An integer id is taken (as its digits): the message says so, not only "string".
+    assert str(refusal(4, line)) == "line 4: 'id' must be a non-empty string or an integer"
 
 
 @pytest.mark.parametrize("value", ["true", "false"])
 def test_bool_id(value: str) -> None:
-    assert str(refusal(5, f'{{"id": {value}, "payload": {{}}}}')) == "line 5: 'id' must be a non-empty string"
+    error = refusal(5, f'{{"id": {value}, "payload": {{}}}}')
+    assert str(error) == "line 5: 'id' must be a non-empty string or an integer"
 
 
 def test_id_longer_than_500_chars() -> None:
@@ -158,6 +162,91 @@ def test_missing_payload() -> None:
 def test_deleted_not_bool(deleted: str) -> None:
     error = refusal(9, f'{{"id": "a", "payload": {{}}, "deleted": {deleted}}}')
     assert str(error) == "line 9: 'deleted' must be true or false"
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ('{"score": NaN}', "payload.score is NaN"),
+        ('{"score": Infinity}', "payload.score is Infinity"),
+        ('{"score": -Infinity}', "payload.score is -Infinity"),
+        ('{"score": 1e400}', "payload.score is Infinity"),
+        ('{"score": -1e400}', "payload.score is -Infinity"),
+        ('{"address": {"geo": {"lat": NaN}}}', "payload.address.geo.lat is NaN"),
+        ('{"scores": [1, 2.5, Infinity]}', "payload.scores[2] is Infinity"),
+        ('{"rows": [{"v": 1}, {"v": NaN}]}', "payload.rows[1].v is NaN"),
+        ('{"first name": NaN}', 'payload["first name"] is NaN'),
+    ],
+    ids=["nan", "infinity", "minus-infinity", "overflow", "minus-overflow", "nested", "in-a-list", "deep", "odd-key"],
+)
+def test_non_finite_numbers_in_the_payload_are_refused(payload: str, message: str) -> None:
+    error = refusal(12, f'{{"id": "a", "payload": {payload}}}')
+    assert str(error) == f"line 12: {message}, which JSON cannot carry (a number beyond ±1.8e308 reads as Infinity)"
+
+
+NUL = "holds a NUL character (\\u0000), which PostgreSQL cannot store"
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"id": "a\\u0000b", "payload": {"v": 1}}', f"'id' {NUL}"),
+        ('{"id": "a", "payload": {"v": "x\\u0000"}}', f"payload.v {NUL}"),
+        ('{"id": "a", "payload": {"k\\u0000": 1}}', f'the key payload["k\\u0000"] {NUL}'),
+        ('{"id": "a", "payload": {"rows": [{"v": "ok"}, {"v": ["\\u0000"]}]}}', f"payload.rows[1].v[0] {NUL}"),
+        ('{"id": "\\ud800", "payload": {}}', "'id' holds a lone surrogate (\\ud800), which is not valid Unicode"),
+        (
+            '{"id": "a", "payload": {"v": "x\\udfff"}}',
+            "payload.v holds a lone surrogate (\\udfff), which is not valid Unicode",
+        ),
+        (
+            '{"id": "a", "payload": {"\\udc80": 1}}',
+            'the key payload["\\udc80"] holds a lone surrogate (\\udc80), which is not valid Unicode',
+        ),
+    ],
+    ids=["nul-in-id", "nul-in-value", "nul-in-key", "nul-deep", "surrogate-id", "surrogate-value", "surrogate-key"],
+)
+def test_text_no_database_stores_alike_is_refused(line: str, message: str) -> None:
+    """PostgreSQL cannot store a NUL (SQLite would); a lone surrogate is not Unicode, so the record
+    would load and then be parked by every chain as a body that cannot be encoded."""
+    assert str(refusal(3, line)) == f"line 3: {message}"
+
+
+def test_a_surrogate_pair_is_one_character_and_loads() -> None:
+    item = parse_line(1, '{"id": "\\ud83d\\ude00", "payload": {"v": "\\ud83d\\ude00", "nul": "\\\\u0000"}}')
+    assert item.external_id == "\U0001f600"
+    assert item.payload == {"v": "\U0001f600", "nul": "\\u0000"}  # an escaped backslash is no NUL
+
+
+def test_a_number_too_long_to_read_is_refused_not_a_traceback() -> None:
+    error = refusal(2, '{"id": ' + "9" * 5000 + ', "payload": {}}')
+    assert str(error) == f"line 2: a number has more than {sys.get_int_max_str_digits()} digits"
+
+
+def test_nesting_too_deep_to_read_is_refused_not_a_traceback() -> None:
+    error = refusal(2, '{"id": "a", "payload": {"x": ' + "[" * 5000 + "]" * 5000 + "}}")
+    assert str(error) == "line 2: arrays or objects are nested too deeply to read"
+
+
+def test_the_first_non_finite_number_in_document_order_is_named() -> None:
+    error = refusal(1, '{"id": "a", "payload": {"b": [NaN], "a": Infinity}}')
+    assert str(error).startswith("line 1: payload.b[0] is NaN,")
+
+
+def test_finite_numbers_at_the_edge_are_fine() -> None:
+    line = '{"id": "a", "payload": {"max": 1.7976931348623157e308, "min": -1.7976931348623157e308, "n": "NaN"}}'
+    assert parse_line(1, line).payload["n"] == "NaN"  # a string spelling NaN is just a string
+
+
+def test_a_non_finite_line_in_a_file_is_refused_by_its_number(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD % ("a", 1), "", '{"id": "b", "payload": {"n": NaN}}', GOOD % ("c", 3))
+    seen: list[str] = []
+    with pytest.raises(MirrorLoadError) as caught:
+        for item in read_mirror_file(path):
+            seen.append(item.external_id)
+    assert seen == ["a"]
+    assert caught.value.line == 3
+    assert str(caught.value).startswith("line 3: payload.n is NaN")
 
 
 def test_large_line_numbers() -> None:
@@ -222,6 +311,7 @@ def test_it_is_a_generator_that_streams(tmp_path: Path) -> None:
 def test_consuming_the_first_item_does_not_raise_for_a_bad_line_3(tmp_path: Path) -> None:
     path = write(tmp_path, GOOD % ("a", 1), GOOD % ("b", 2), '{"id": "c", "payload": []}')
     items = read_mirror_file(path)
+    assert isinstance(items, Generator)
     assert next(items).external_id == "a"
     items.close()
 

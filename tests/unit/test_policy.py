@@ -7,7 +7,6 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from delivery import policy
 from delivery.domain import TERMINAL_STATUSES, LedgerRow, LedgerStatus, Policy, Verb
 from delivery.policy import (
     RETRY_AFTER_CAP_SECONDS,
@@ -240,8 +239,40 @@ def test_fingerprint_tolerates_non_json_values() -> None:
 # --- idempotency_key ---------------------------------------------------------------------------
 
 
-def test_idempotency_key_is_stable() -> None:
-    assert idempotency_key("r", "e-1", 0) == idempotency_key("r", "e-1", 0)
+# Literal keys, computed once. A key must never change between releases: a create in flight across
+# an upgrade is retried under the key it was first sent with, and a key-honouring target only
+# recognises that exact string. The epoch-0 values are what the three-argument form (before key
+# epochs existed) gave: sha256(json.dumps(["delivery", rule, external_id, generation]))[:32].
+PINNED_KEYS = [
+    (("contacts-to-crm", "c-1", 0, 0), "dc0734b7492d7fe80c4ba1fe21319aa5"),
+    (("contacts-to-crm", "c-1", 1, 0), "6cb93b612f2edae69911b55db54f8f27"),
+    (("contacts-to-crm", "c-2", 0, 0), "0662f8b35131f13bc6773a05e6994671"),
+    (("orders-to-erp", "c-1", 0, 0), "f56b2f2052427f6d0cc4a7dcdb7ff9c0"),
+    (("contacts-to-crm", "c-1", 0, 1), "ace7cf9096471be977b813f755333766"),
+    (("contacts-to-crm", "c-1", 1, 1), "cda491d904e5c131d355d118bd21c344"),
+    (("contacts-to-crm", "c-1", 0, 2), "49ae7e358c4b352055041ca2363eecd4"),
+]
+
+
+@pytest.mark.parametrize(("args", "key"), PINNED_KEYS)
+def test_idempotency_key_is_pinned_across_releases(args: tuple[str, str, int, int], key: str) -> None:
+    rule, external_id, generation, epoch = args
+    assert idempotency_key(rule, external_id, generation, epoch=epoch) == key
+
+
+def test_epoch_zero_is_the_key_of_the_three_argument_form() -> None:
+    assert idempotency_key("contacts-to-crm", "c-1", 0) == "dc0734b7492d7fe80c4ba1fe21319aa5"
+    assert idempotency_key("contacts-to-crm", "c-1", 0, epoch=0) == idempotency_key("contacts-to-crm", "c-1", 0)
+
+
+def test_pinned_keys_are_all_different() -> None:
+    # Rule, external id, generation and epoch each change the key on their own.
+    assert len({key for _, key in PINNED_KEYS}) == len(PINNED_KEYS)
+
+
+def test_idempotency_key_differs_by_epoch() -> None:
+    keys = {idempotency_key("r", "e-1", 3, epoch=epoch) for epoch in (0, 1, 2)}
+    assert len(keys) == 3
 
 
 def test_idempotency_key_is_32_hex_chars() -> None:
@@ -262,10 +293,6 @@ def test_idempotency_key_differs_by_external_id() -> None:
 
 def test_idempotency_key_has_no_concatenation_ambiguity() -> None:
     assert idempotency_key("ab", "c", 0) != idempotency_key("a", "bc", 0)
-
-
-def test_policy_module_exposes_the_functions() -> None:
-    assert {"choose_verb", "next_attempt_at", "map_payload", "fingerprint", "idempotency_key"} <= set(dir(policy))
 
 
 # --- LedgerStatus.is_terminal / Policy.verbs ---------------------------------------------------

@@ -14,7 +14,14 @@ import httpx
 import pytest
 
 from delivery.domain import Connection, ConnectionStatus, Verb
-from delivery.errors import RecordFault, RecordRejected, RemoteGone, TargetUnavailable, Unaddressable
+from delivery.errors import (
+    RecordFault,
+    RecordRejected,
+    RemoteGone,
+    TargetUnavailable,
+    Unaddressable,
+    UnsendablePayload,
+)
 from delivery.writers import base, registry
 from delivery.writers.base import Creates, Updates, Writer, token_for, verbs_of
 from delivery.writers.registry import find_writer, register_writer, registered_drivers, reset_registry
@@ -303,8 +310,10 @@ def test_rejection_with_empty_body(target: Target) -> None:
 
 
 def test_record_faults_are_record_faults() -> None:
-    for cls in (TargetUnavailable, RecordRejected, RemoteGone, Unaddressable):
+    for cls in (TargetUnavailable, RecordRejected, RemoteGone, Unaddressable, UnsendablePayload):
         assert issubclass(cls, RecordFault)
+    # The engine keeps it out of the breaker: the target never saw the record.
+    assert not issubclass(UnsendablePayload, TargetUnavailable)
 
 
 # --- update ------------------------------------------------------------------------------------
@@ -375,6 +384,169 @@ def test_update_429_with_retry_after(target: Target) -> None:
     with pytest.raises(TargetUnavailable) as caught:
         target.writer(answer(429, text="", headers={"Retry-After": "45"})).update("r-1", {})
     assert caught.value.retry_after_seconds == 45.0
+
+
+# --- bodies JSON cannot carry ------------------------------------------------------------------
+
+NOT_JSON_COMPLIANT = "body cannot be encoded as JSON: Out of range float values are not JSON compliant"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"score": float("nan")},
+        {"score": float("inf")},
+        {"score": float("-inf")},
+        {"address": {"lat": float("nan")}},
+        {"scores": [1.0, float("inf")]},
+    ],
+    ids=["nan", "infinity", "minus-infinity", "nested", "in-a-list"],
+)
+def test_create_of_a_non_finite_number_is_unsendable_and_sends_nothing(target: Target, body: dict[str, Any]) -> None:
+    with pytest.raises(UnsendablePayload) as caught:
+        target.writer(answer(201, {"id": "r-1"})).create(body, "k")
+    assert str(caught.value) == f"POST contacts: {NOT_JSON_COMPLIANT}"
+    assert target.requests == []
+
+
+def test_update_of_a_non_finite_number_is_unsendable_and_sends_nothing(target: Target) -> None:
+    with pytest.raises(UnsendablePayload) as caught:
+        target.writer(answer(200, {"id": "r-1"})).update("r-1", {"score": float("nan")})
+    assert str(caught.value) == f"PATCH contacts/r-1: {NOT_JSON_COMPLIANT}"
+    assert target.requests == []
+
+
+def test_a_lone_surrogate_is_unsendable(target: Target) -> None:
+    # json.loads accepts "\ud800", so a mirror payload can hold one; UTF-8 cannot carry it.
+    with pytest.raises(UnsendablePayload, match=r"^POST contacts: body cannot be encoded as JSON: .*surrogates"):
+        target.writer(answer(201, {"id": "r-1"})).create({"name": "\ud800"}, "k")
+    assert target.requests == []
+
+
+@pytest.mark.parametrize(
+    "value", [datetime(2026, 1, 1, tzinfo=UTC), {1, 2}, object()], ids=["datetime", "set", "object"]
+)
+def test_a_value_of_no_json_type_is_unsendable(target: Target, value: Any) -> None:
+    with pytest.raises(
+        UnsendablePayload, match=r"^POST contacts: body cannot be encoded as JSON: .*not JSON serializable"
+    ):
+        target.writer(answer(201, {"id": "r-1"})).create({"v": value}, "k")
+    assert target.requests == []
+
+
+def test_the_writer_stays_usable_after_an_unsendable_body(target: Target) -> None:
+    writer = target.writer(answer(201, {"id": "r-2"}))
+    with pytest.raises(UnsendablePayload):
+        writer.create({"n": float("nan")}, "k1")
+    assert writer.create({"n": 1.5}, "k2") == "r-2"
+    assert [json.loads(r.content) for r in target.requests] == [{"n": 1.5}]
+
+
+def test_the_body_is_compact_utf8_json_as_httpx_would_send_it(target: Target) -> None:
+    target.writer(answer(201, {"id": 1})).create({"name": "Zo\u00eb", "n": 1, "x": None}, "k")
+    request = target.only
+    assert request.content == '{"name":"Zo\u00eb","n":1,"x":null}'.encode()
+    assert request.headers["Content-Type"] == "application/json"
+    assert request.headers["Content-Length"] == str(len(request.content))
+
+
+def test_finite_floats_and_big_ints_are_sent(target: Target) -> None:
+    body = {"f": 1e308, "tiny": 5e-324, "big": 10**30, "neg": -0.0}
+    target.writer(answer(201, {"id": 1})).create(body, "k")
+    assert json.loads(target.only.content) == body
+
+
+# --- answers whose body cannot be decoded --------------------------------------------------------
+
+
+def broken_gzip(status: int, headers: dict[str, str] | None = None) -> Handler:
+    """A body that claims gzip and is not. Passed as a stream so httpx decodes it the way it does
+    a network answer (while the client reads it), not while the mock builds the response."""
+
+    def handler(_request: httpx.Request) -> httpx.Response:
+        all_headers = {"Content-Encoding": "gzip", "Content-Type": "application/json", **(headers or {})}
+        return httpx.Response(status, headers=all_headers, stream=httpx.ByteStream(b"not gzip at all"))
+
+    return handler
+
+
+def test_broken_gzip_raises_decoding_error_in_plain_httpx() -> None:
+    # The premise: httpx raises DecodingError from request(), when it reads the body.
+    with (
+        httpx.Client(transport=httpx.MockTransport(broken_gzip(201))) as client,
+        pytest.raises(httpx.DecodingError),
+    ):
+        client.post("http://target.test/api/contacts", json={})
+
+
+@pytest.mark.parametrize("status", [200, 201])
+def test_create_2xx_with_an_undecodable_body_is_unaddressable(target: Target, status: int) -> None:
+    with pytest.raises(Unaddressable) as caught:
+        target.writer(broken_gzip(status)).create({}, "k")
+    message = str(caught.value)
+    assert message.startswith(f"POST contacts: HTTP {status} answer body cannot be decoded: ")
+    assert "incorrect header check" in message
+    assert len(target.requests) == 1
+
+
+@pytest.mark.parametrize("status", [200, 202, 204])
+def test_update_2xx_with_an_undecodable_body_is_a_success(target: Target, status: int) -> None:
+    assert target.writer(broken_gzip(status)).update("r-1", {"a": 1}) is None
+    assert target.only.method == "PATCH"
+
+
+def test_create_503_with_an_undecodable_body_is_unavailable_with_a_placeholder(target: Target) -> None:
+    with pytest.raises(TargetUnavailable) as caught:
+        target.writer(broken_gzip(503, {"Retry-After": "60"})).create({}, "k")
+    message = str(caught.value)
+    assert message.startswith("POST contacts: HTTP 503: <answer body not decodable: ")
+    assert "incorrect header check" in message
+    assert caught.value.retry_after_seconds == 60.0
+
+
+@pytest.mark.parametrize("status", [400, 422, 404])
+def test_create_4xx_with_an_undecodable_body_is_rejected_with_a_placeholder(target: Target, status: int) -> None:
+    with pytest.raises(RecordRejected) as caught:
+        target.writer(broken_gzip(status)).create({}, "k")
+    assert str(caught.value).startswith(f"POST contacts: HTTP {status}: <answer body not decodable: ")
+
+
+@pytest.mark.parametrize(("status", "fault"), [(404, RemoteGone), (410, RemoteGone), (429, TargetUnavailable)])
+def test_update_refusal_with_an_undecodable_body_keeps_its_status_meaning(
+    target: Target, status: int, fault: type[RecordFault]
+) -> None:
+    with pytest.raises(fault) as caught:
+        target.writer(broken_gzip(status)).update("r-1", {})
+    assert str(caught.value).startswith(f"PATCH contacts/r-1: HTTP {status}: <answer body not decodable: ")
+
+
+class _FailingStream(httpx.SyncByteStream):
+    """An answer whose body breaks off after the status line and headers arrived."""
+
+    def __init__(self, exc_type: type[httpx.TransportError]) -> None:
+        self.exc_type = exc_type
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield b'{"id": '
+        raise self.exc_type("body cut off")
+
+
+@pytest.mark.parametrize(
+    ("exc_type", "expected"),
+    [
+        (httpx.ReadTimeout, "POST contacts: timed out (ReadTimeout)"),
+        (httpx.ReadError, "POST contacts: connection error: body cut off"),
+    ],
+)
+def test_a_body_cut_off_while_reading_is_target_unavailable(
+    target: Target, exc_type: type[httpx.TransportError], expected: str
+) -> None:
+    def handler(_request: httpx.Request) -> httpx.Response:
+        return httpx.Response(201, stream=_FailingStream(exc_type))
+
+    with pytest.raises(TargetUnavailable) as caught:
+        target.writer(handler).create({}, "k")
+    assert str(caught.value) == expected
 
 
 # --- transport failures ------------------------------------------------------------------------
@@ -461,6 +633,30 @@ def test_token_cut_by_the_excerpt_does_not_leak_a_prefix(target: Target) -> None
     assert TOKEN[:10] not in str(caught.value)
 
 
+@pytest.mark.parametrize("token", ["Sekr3t/Tok+en==", 'Qu0te"Back\\slash/Pl+us'], ids=["slashed", "quoted"])
+def test_a_token_echoed_json_escaped_is_redacted(target: Target, monkeypatch: pytest.MonkeyPatch, token: str) -> None:
+    # PHP's json_encode writes `/` as `\/`; every JSON encoder escapes `"` and `\`.
+    monkeypatch.setenv("CRM_TOKEN", token)
+    php = json.dumps({"auth": f"Bearer {token}"}).replace("/", "\\/")
+    with pytest.raises(RecordRejected) as caught:
+        target.writer(answer(422, text=php)).create({}, "k")
+    assert str(caught.value) == 'POST contacts: HTTP 422: {"auth": "Bearer ***"}'
+    with pytest.raises(RecordRejected) as caught:
+        target.writer(answer(422, {"auth": f"Bearer {token}"})).create({}, "k")
+    assert str(caught.value) == 'POST contacts: HTTP 422: {"auth":"Bearer ***"}'
+
+
+def test_a_json_escaped_token_cut_by_the_excerpt_does_not_leak_a_prefix(
+    target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CRM_TOKEN", "Sekr3t/Tok+en==")
+    body = "x" * (BODY_EXCERPT - 10) + "Sekr3t\\/Tok+en=="
+    with pytest.raises(RecordRejected) as caught:
+        target.writer(answer(422, text=body)).create({}, "k")
+    assert "Sekr3t" not in str(caught.value)
+    assert str(caught.value).endswith("x***")
+
+
 def test_no_authorization_header_without_a_token(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CRM_TOKEN")
     target.writer(answer(201, {"id": 1})).create({}, "k")
@@ -496,7 +692,7 @@ def test_token_for_reads_the_environment_at_call_time(monkeypatch: pytest.Monkey
 def test_writer_needs_a_base_url(cls: type[Writer]) -> None:
     connection = Connection(id=1, name="crm", driver="rest", status=ConnectionStatus.ACTIVE)
     with pytest.raises(ValueError, match="connection 'crm' has no base_url"):
-        cls(connection, "contacts")  # type: ignore[call-arg]
+        cls(connection, "contacts")
     assert cls.needs_base_url is True
 
 

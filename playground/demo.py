@@ -1,9 +1,10 @@
 """`delivery demo`: a stranger's first ten minutes, in under two.
 
-Starts the sandbox target, applies `examples/demo-config.yaml`, loads a deterministic sample mirror,
-and runs chains through the real `deliver-rule` flow: a first delivery, changes (updates and
-suppressions), faults (failed and parked records, a breaker opening) and recovery (due retries
-drained). Everything it starts it stops; its database is a SQLite file in its work directory.
+Starts the sandbox target, applies the sample configuration shipped with this package
+(`playground/examples/demo-config.yaml`), loads a deterministic sample mirror, and runs chains
+through the real `deliver-rule` flow: a first delivery, changes (updates and suppressions), faults
+(failed and parked records, a breaker opening) and recovery (due retries drained). Everything it
+starts it stops; its database is a SQLite file in its work directory.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +27,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from delivery import db
+from delivery.apply import apply_config
 from delivery.clock import utcnow
 from delivery.config import parse_config
 from delivery.domain import LedgerStatus
 from delivery.mirror_file import read_mirror_file
-from delivery.sandbox import SandboxServer, SandboxSettings
 from delivery.store import catalog
 from delivery.store import ledger as ledger_store
 from delivery.store.mirror import load_records
+from playground.sandbox import SandboxServer, SandboxSettings
 
 RULE = "contacts-to-crm"
 TOKEN = "demo-token-not-a-secret"
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+#: The sample configuration, package data of `playground`: found the same way in a checkout and in
+#: an installed wheel, never through the working directory.
+DEMO_CONFIG = resources.files("playground") / "examples" / "demo-config.yaml"
 
 FIRST = [
     "Ada",
@@ -117,13 +122,13 @@ class Demo:
         body()
 
     def _configure(self) -> None:
-        config = yaml.safe_load((EXAMPLES / "demo-config.yaml").read_text())
+        config = yaml.safe_load(DEMO_CONFIG.read_text(encoding="utf-8"))
         for connection in config["connections"]:
             if connection["name"] == "crm":
                 connection["base_url"] = self.sandbox.url
         with self.engine.begin() as conn:
-            report = catalog.apply_config(conn, parse_config(yaml.safe_dump(config)))
-        self.console.print(f"applied examples/demo-config.yaml: {', '.join(report.created)}")
+            report = apply_config(conn, parse_config(yaml.safe_dump(config)))
+        self.console.print(f"applied playground/examples/demo-config.yaml: {', '.join(report.created)}")
         self.console.print(f"sandbox target listening on {self.sandbox.url}")
         path = _write(self.workdir / "contacts.jsonl", self.sample)
         self._load(path)
@@ -217,7 +222,9 @@ class Demo:
         self._chain("deliver-rule")
         self._api("PUT", "_faults", {"fail_rate": 1.0})
         self.console.print("sandbox: the target is down (every write answers 503); more changes arrive")
-        more = rng.sample([r for r in self.sample if r not in gone + refused + wobbly], k=20)
+        untouched = [r for r in self.sample if r not in gone + refused + wobbly]
+        # `--records 20`, the smallest the CLI takes, leaves only 9 untouched contacts.
+        more = rng.sample(untouched, k=min(20, len(untouched)))
         for record in more:
             record["payload"]["company"] = "Moved Ltd"
         self._load(_write(self.workdir / "more.jsonl", more))

@@ -1,0 +1,112 @@
+"""The circuit breaker of a target connection (pybreaker), its state shared through the database.
+
+Only a target that did not take a write (timeout, connection error, 5xx, 429) counts against it; the
+connection's status is never touched by it (ADR-0029: the breaker's cooldown is the recovery).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pybreaker
+import sqlalchemy as sa
+
+from delivery.domain import Rule
+from delivery.errors import TargetUnavailable
+from delivery.store.breaker import DatabaseBreakerStorage
+
+
+def _not_the_targets_fault(exc: BaseException) -> bool:
+    """A refused or gone record, an unaddressable answer, a body we could not encode, and any other
+    exception from a writer (a bug, loud as a rule fault) say nothing about whether the target is up."""
+    return not isinstance(exc, TargetUnavailable)
+
+
+def reopens_at(opened_at: datetime | None, reset_seconds: float) -> datetime | None:
+    """When an open breaker lets a trial call through."""
+    return None if opened_at is None else opened_at + timedelta(seconds=reset_seconds)
+
+
+class BreakerListener(pybreaker.CircuitBreakerListener):
+    """Told once per change of a target's breaker, by the process whose write made it.
+
+    pybreaker calls `state_change` both where a breaker changes state and wherever an instance
+    merely notices a change another process or worker made (its cached state catching up with the
+    stored one); several workers and processes share each breaker through the database, so that
+    would tell one trip many times. `changed` is called only for the write that changed the stored
+    state, and `old` is the state that write replaced."""
+
+    def changed(self, breaker: TargetBreaker, old: str, new: str) -> None:
+        """Override: `old` and `new` are pybreaker's state names (closed, open, half-open)."""
+
+    def state_change(
+        self, cb: pybreaker.CircuitBreaker, old_state: pybreaker.CircuitBreakerState | None, new_state: Any
+    ) -> None:
+        change = getattr(cb, "_change", None)
+        if isinstance(cb, TargetBreaker) and change is not None and change[1] == new_state.name:
+            self.changed(cb, change[0], change[1])
+
+
+class TargetBreaker(pybreaker.CircuitBreaker):
+    """pybreaker's breaker over a `DatabaseBreakerStorage`, with the two things the chain asks of it:
+    take a row read alongside a fence check, and say until when it is open."""
+
+    def __init__(self, engine: sa.Engine, rule: Rule, listeners: Sequence[BreakerListener] = ()) -> None:
+        settings = rule.target.breaker
+        self.target = rule.target.name
+        self.storage = DatabaseBreakerStorage(engine, rule.target.id)
+        #: (replaced, new) while listeners are told of a change this instance wrote.
+        self._change: tuple[str, str] | None = None
+        super().__init__(
+            fail_max=settings.fail_max,
+            reset_timeout=settings.reset_seconds,
+            exclude=[_not_the_targets_fault],
+            state_storage=self.storage,
+            name=rule.target.name,
+            # The failure that trips the breaker is still that record's failure: it must be parked
+            # as failed like the ones before it, so we want the original error, not a new one.
+            throw_new_error_on_trip=False,
+            listeners=list(listeners),
+        )
+
+    # pybreaker's open/half_open/close set the cached state (telling the listeners) before they
+    # write the stored one. Here the stored state is written first, as a compare-and-set, so the
+    # listeners can be told whether this write is the one that changed it.
+
+    def open(self) -> bool:
+        with self._lock:
+            self._state_storage.opened_at = datetime.now(UTC)
+            self._switch(pybreaker.STATE_OPEN)
+            return self._throw_new_error_on_trip
+
+    def half_open(self) -> None:
+        with self._lock:
+            self._switch(pybreaker.STATE_HALF_OPEN)
+
+    def close(self) -> None:
+        with self._lock:
+            self._state_storage.reset_success_counter()
+            self._switch(pybreaker.STATE_CLOSED)
+
+    def _switch(self, state: str) -> None:
+        replaced = self.storage.change_state(state)
+        self._change = None if replaced is None else (replaced, state)
+        try:
+            self.state = state  # pybreaker's setter takes the state's name
+        finally:
+            self._change = None
+
+    def observe(
+        self, conn: sa.Connection, row: Mapping[str, Any] | None, mark: int | None = None
+    ) -> Mapping[str, Any] | None:
+        """See `DatabaseBreakerStorage.observe`."""
+        return self.storage.observe(conn, row, mark)
+
+    def open_until(self, now: datetime) -> datetime | None:
+        """When an open breaker lets a trial call through; None when it is not open now."""
+        if self.current_state != pybreaker.STATE_OPEN:
+            return None
+        until = reopens_at(self.storage.opened_at, self.reset_timeout)
+        return until if until is not None and until > now else None

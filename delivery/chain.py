@@ -1,0 +1,687 @@
+"""One chain of one rule: health gate, breaker check, drain, scan, and where every fault goes.
+
+The routing is ADR-0029's: a fault that would fall the same way for every record of the rule ends
+the chain and writes nothing for itself (a returned `ChainEnd`, or a raised `RuleFault`); a fault
+of one record lands in that record's ledger row and the batch carries on. Nothing is rolled back:
+each record's outcome is its own ledger write, committed on its own or with others in a bounded group
+(the target connection's `settle`, see `delivery.settle`), and the cursor moves only when a batch
+concludes, after every outcome of the batch is committed.
+The orchestration (one Prefect task per batch) lives in `flows/`; this module knows nothing of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import pybreaker
+import sqlalchemy as sa
+
+from delivery import policy
+from delivery.breaker import BreakerListener, TargetBreaker
+from delivery.clock import utcnow
+from delivery.domain import (
+    BatchReport,
+    Candidate,
+    ChainEnd,
+    ChainReport,
+    Cursor,
+    LedgerRow,
+    LedgerStatus,
+    Outcome,
+    Phase,
+    Rule,
+    SettleMode,
+    Verb,
+)
+from delivery.errors import (
+    LedgerRowConflict,
+    MissingCredential,
+    MissingWriter,
+    RecordFault,
+    RuleFault,
+    TargetUnavailable,
+    UnexpectedCandidate,
+    UnsupportedDeliveryVerb,
+)
+from delivery.redact import redact
+from delivery.settings import settings
+from delivery.settle import GROUP_RECORDS, SettleGroups
+from delivery.store import catalog, chains, ledger
+from delivery.workers import Cut, Signals, work_through
+from delivery.writers.base import Creates, SecretReader, Updates, Writer, accepts_concurrency, token_for
+from delivery.writers.registry import find_writer
+
+log = logging.getLogger(__name__)
+
+#: At most this often a settle also writes the chain's heartbeat (every job writes it as it starts).
+HEARTBEAT_SECONDS = 1.0
+#: A chain waiting for the rule lock beats once per wait step: one newer than the lock's holder
+#: counts as waiting while it beat within two steps and this margin.
+HANDOVER_MARGIN_SECONDS = 10.0
+
+#: Written on a delivered row when a create may have been answered with an older body and the
+#: target's writer cannot update: an operator should know the target may hold a stale copy.
+REPLAY_NOT_UPDATABLE = (
+    "created under a key that may have carried an older body; the target's writer cannot update, "
+    "so the target may hold that older body"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Send:
+    """A write to make: the verb, the mapped body and its digest."""
+
+    verb: Verb
+    body: dict[str, Any]
+    digest: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settle:
+    """One record's outcome, waiting for its group's commit."""
+
+    index: int
+    candidate: Candidate
+    outcome: Outcome
+
+
+@dataclasses.dataclass
+class _GroupedJob:
+    """What the workers of one grouped job share. The batch is taken in windows of `GROUP_RECORDS`
+    candidates; a window is checked, planned and its creates' intents committed (one transaction)
+    by the first worker to reach it, before any of its records is sent."""
+
+    candidates: list[Candidate]
+    lanes: list[TargetBreaker]
+    plans: dict[int, Outcome | _Send] = dataclasses.field(default_factory=dict)
+    #: A create's intent row, by index; None where a requeue took the row first.
+    intents: dict[int, LedgerRow | None] = dataclasses.field(default_factory=dict)
+    #: Indices whose request may have gone out: their intents stay whatever happens next.
+    sent: set[int] = dataclasses.field(default_factory=set)
+    windows: set[int] = dataclasses.field(default_factory=set)
+    window_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    statuses: dict[int, LedgerStatus | None] = dataclasses.field(default_factory=dict)
+    superseded: bool = False
+
+
+class Chain:
+    """A chain in progress. `open()` once, then `run_batch()` per job, then `finish()`."""
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        rule_name: str,
+        *,
+        flow_run_id: str | None = None,
+        token: str | None = None,
+        clock: Callable[[], datetime] = utcnow,
+        breaker_listeners: Sequence[BreakerListener] = (),
+    ) -> None:
+        """Record a new chain, or adopt `token`, the chain row the tick recorded when it launched
+        this run (so that a launched run waiting for a worker already counts as alive).
+        `breaker_listeners` are attached to every breaker of the chain (the flows layer's way to
+        hear of a trip, which this module reports only as how a batch ended)."""
+        self.engine = engine
+        self.clock = clock
+        self._breaker_listeners = tuple(breaker_listeners)
+        with engine.connect().execution_options(readonly=True) as conn:
+            self.rule: Rule = catalog.get_rule(conn, rule_name)
+        with engine.begin() as conn:
+            if token is None:
+                self.started_at = clock()
+                self.token = chains.start_chain(conn, self.rule.id, flow_run_id, self.started_at)
+            else:
+                self.started_at = chains.adopt_chain(conn, token, self.rule.id, flow_run_id)
+                self.token = token
+        self._claimed = False
+        self._cursor_read = False
+        self.report = ChainReport(
+            rule=self.rule.name, token=self.token, cursor_before=self.rule.cursor, cursor_after=self.rule.cursor
+        )
+        self._scan_from: Cursor | None = policy.scan_start(self.rule)
+        self._writer: Writer | None = None
+        self._breaker: TargetBreaker | None = None
+        #: The workers' breakers, the chain's own first (see `_work`).
+        self._lanes: list[TargetBreaker] = []
+        self._secret: str | None = None
+        self._beat_at = time.monotonic()
+
+    # -- opening -------------------------------------------------------------------------------
+
+    def open(self, secrets: SecretReader | None = None) -> ChainEnd | None:
+        """Health gate, breaker check, writer. Returns how the chain ends when it cannot start
+        (a result, not a fault); raises a `RuleFault` for a rule that is misconfigured.
+        `secrets` reads the Prefect Secret block a target's `token_secret` names (the flows layer
+        gives it); the token is read here, once per chain, so a changed one counts from the next."""
+        rule = self.rule
+        closed = policy.gate(rule)
+        if closed is not None:
+            return self._end(*closed)
+        self._breaker = TargetBreaker(self.engine, rule, self._breaker_listeners)
+        self._lanes = [self._breaker]
+        until = self._breaker.open_until(self.clock())
+        if until is not None:
+            return self._end(ChainEnd.BREAKER_OPEN, self._breaker_message(until))
+        writer_type = find_writer(rule.target.driver)
+        if writer_type is None:
+            raise MissingWriter(rule.name, rule.target.driver)
+        token = token_for(rule.target, secrets)
+        if token is None and rule.target.token_secret:
+            block = rule.target.token_secret
+            if secrets is None:  # a chain run outside the flows layer
+                why = "which cannot be read here: no Prefect Secret reader was given"
+                raise MissingCredential(rule.name, rule.target.name, block=block, why=why)
+            raise MissingCredential(rule.name, rule.target.name, block=block)
+        if token is None and rule.target.token_env:
+            raise MissingCredential(rule.name, rule.target.name, rule.target.token_env)
+        self._secret = token
+        options: dict[str, Any] = {"token": token}
+        if accepts_concurrency(writer_type):
+            options["concurrency"] = rule.concurrency if writer_type.thread_safe else 1
+        self._writer = writer_type(rule.target, rule.collection, **options)
+        return None
+
+    def _breaker_message(self, until: datetime | None) -> str:
+        when = f" until {until.isoformat(timespec='seconds')}" if until else ""
+        return f"breaker open for target {self.rule.target.name!r}{when}; the connection status is unchanged"
+
+    def _end(self, how: ChainEnd, message: str) -> ChainEnd:
+        self.report.ended_by = how
+        self.report.message = message
+        return how
+
+    # -- one job -------------------------------------------------------------------------------
+
+    def run_batch(self, phase: Phase) -> BatchReport:
+        """One job: a page of candidates, each delivered and settled on its own. An exception
+        leaves the batch (and the chain) at once, and the cursor where it was."""
+        if self._writer is None or self._breaker is None:
+            raise RuntimeError("run_batch() before a successful open()")
+        report = BatchReport(phase)
+        rule = self.rule
+        with self.engine.begin() as conn:
+            if not self._claimed:
+                # The first job claims the rule; the cursor is read only now, under the lock,
+                # since a chain before this one may have moved it since we started.
+                if not chains.claim(conn, rule.id, self.token, self.started_at):
+                    return self._superseded(report)
+                self._claimed = True
+            elif not chains.holds_fence(conn, rule.id, self.token):
+                return self._superseded(report)
+            # A chain holding the lock job after job retakes it the moment it lets go, while a
+            # newer one waits in steps: without a handover a manual run would wait out the
+            # whole older chain. The most recently started chain goes on, as in `claim`.
+            alive = timedelta(seconds=2 * settings().lock_wait_step_seconds + HANDOVER_MARGIN_SECONDS)
+            newer = chains.newer_waiting(conn, rule.id, self.token, self.started_at, self.clock() - alive)
+            if newer is not None:
+                report.ended_by = ChainEnd.SUPERSEDED
+                report.message = (
+                    f"chain superseded: a newer chain of rule {rule.name!r} (flow run "
+                    f"{newer['flow_run_id'] or '-'}) is waiting for the rule and takes over"
+                )
+                self.report.add(report)
+                return report
+            # The gate again at every job, under the lock: a connection set to error or disabled
+            # mid-chain stops the chain at its next job, not at the next tick.
+            fresh = catalog.get_rule(conn, rule.name)
+            closed = policy.gate(fresh)
+            if closed is not None:
+                report.ended_by, report.message = closed
+                self.report.add(report)
+                return report
+            if not self._cursor_read:
+                self._cursor_read = True
+                self.report.cursor_before = self.report.cursor_after = fresh.cursor
+                self._scan_from = policy.scan_start(dataclasses.replace(rule, cursor=fresh.cursor))
+            self._heartbeat(conn, every=0)
+            if phase is Phase.DRAIN:
+                candidates = ledger.drain_page(conn, rule, self.started_at, rule.batch_size)
+            else:
+                candidates = ledger.scan_page(conn, rule, self._scan_from, rule.batch_size)
+        attempted, ended = self._work(candidates, phase)
+        for status in attempted:
+            if status is not None:
+                report.attempted += 1
+                report.counts[status.value] += 1
+        if ended is ChainEnd.SUPERSEDED:
+            return self._superseded(report)
+        if ended is ChainEnd.BREAKER_OPEN:
+            report.ended_by = ended
+            report.message = self._breaker_message(self._breaker.open_until(self.clock()))
+        # The cursor moves past the records attempted, and only those: with writes in parallel a
+        # breaker can cut a batch with holes, so it stops before the first record not attempted.
+        highest: Cursor | None = None
+        for candidate, status in zip(candidates, attempted, strict=True):
+            if status is None:
+                break
+            highest = Cursor(candidate.record.changed_at, candidate.record.id)
+        if phase is Phase.SCAN and candidates:
+            self._scan_from = Cursor(candidates[-1].record.changed_at, candidates[-1].record.id)
+        if phase is Phase.SCAN and highest is not None:
+            with self.engine.begin() as conn:
+                if not chains.holds_fence(conn, rule.id, self.token):
+                    return self._superseded(report)
+                report.cursor_after = chains.move_cursor(conn, rule.id, highest)
+                self._heartbeat(conn, every=0)
+        self.report.add(report)
+        return report
+
+    def _work(self, candidates: list[Candidate], phase: Phase) -> tuple[list[LedgerStatus | None], ChainEnd | None]:
+        """Deliver and settle the candidates, `rule.concurrency` at a time (1: strictly in order).
+        Returns each candidate's settled status (None: not attempted) and how the batch was cut
+        short, if it was. The first exception stops every worker and is raised."""
+        assert self._breaker is not None and self._writer is not None
+        count = self.rule.concurrency if self._writer.thread_safe else 1
+        lanes: list[TargetBreaker] = []
+
+        def new_lane() -> TargetBreaker:
+            # pybreaker holds its lock across the call, so each worker gets a breaker of its own;
+            # they share one state through the database, as separate processes would. Made once
+            # per chain (each costs round trips) and handed to the next batch's workers: a batch's
+            # workers have all stopped before the next batch starts.
+            if len(lanes) == len(self._lanes):
+                self._lanes.append(TargetBreaker(self.engine, self.rule, self._breaker_listeners))
+            lane = self._lanes[len(lanes)]
+            lanes.append(lane)
+            return lane
+
+        if self.rule.target.settle is SettleMode.GROUPED:
+            settled, cuts = self._work_grouped(_GroupedJob(candidates, lanes), phase, count, new_lane)
+        else:
+
+            def step(index: int, breaker: TargetBreaker, signals: Signals) -> LedgerStatus | Cut | None:
+                return self._one(candidates[index], phase, breaker, signals)
+
+            settled, cuts = work_through(len(candidates), count, new_lane, step)
+        return settled, (ChainEnd.SUPERSEDED if ChainEnd.SUPERSEDED in cuts else (cuts[0] if cuts else None))
+
+    # -- grouped settles -----------------------------------------------------------------------
+
+    def _work_grouped(
+        self, job: _GroupedJob, phase: Phase, count: int, new_lane: Callable[[], TargetBreaker]
+    ) -> tuple[list[LedgerStatus | None], list[Any]]:
+        """`_work` for a target settled in groups (`delivery.settle`): the workers send, a thread of
+        the job's own commits their outcomes in groups. A fault raised by one record (a rule fault,
+        a writer's bug) still commits the outcomes gathered before it (nothing is rolled back); a
+        job interrupted (a timeout, a cancellation) commits no outcome more, and its records are
+        sent again by the next chain. Either way the intents of creates never sent are taken back."""
+        signals = Signals()
+
+        def commit(group: list[_Settle]) -> None:
+            if signals.over.is_set():
+                return
+            if not self._commit_group(job, group):
+                job.superseded = True
+                signals.stop.set()
+
+        groups: SettleGroups[_Settle] = SettleGroups(commit, signals.stop.set)
+
+        def step(index: int, breaker: TargetBreaker, signals: Signals) -> Cut | None:
+            return self._one_grouped(job, index, phase, breaker, signals, groups)
+
+        fault: BaseException | None = None
+        cuts: list[Any] = []
+        try:
+            try:
+                # Pooled even for one worker: an exception from a step is then a fault of the job
+                # (its gathered outcomes are committed), one raised into this thread an interruption.
+                _, cuts = work_through(len(job.candidates), count, new_lane, step, signals, pooled=True)
+            except BaseException as exc:
+                if signals.over.is_set():
+                    raise  # a timeout or cancellation: the job has ended
+                fault = exc  # a rule fault, a writer's bug, the database: nothing is rolled back
+            groups.close(commit=True)
+        except BaseException:
+            signals.over.set()
+            groups.close(commit=False)
+            self._withdraw_quietly(job)  # still part of ending the job
+            raise
+        error = fault or groups.error
+        if fault is not None and groups.error is not None:
+            log.error("rule %s: outcomes could not be committed: %r", self.rule.name, groups.error)
+        if not job.superseded:
+            # A create never sent must not read as sent.
+            if error is None:
+                self._withdraw_unsent(job)
+            else:
+                self._withdraw_quietly(job)
+        if error is not None:
+            raise error
+        if job.superseded:
+            cuts.append(ChainEnd.SUPERSEDED)
+        return [job.statuses.get(i) for i in range(len(job.candidates))], cuts
+
+    def _one_grouped(
+        self,
+        job: _GroupedJob,
+        index: int,
+        phase: Phase,
+        breaker: TargetBreaker,
+        signals: Signals,
+        groups: SettleGroups[_Settle],
+    ) -> Cut | None:
+        """One record of a grouped job: its window prepared first, then send, then hand the outcome
+        to the group being gathered."""
+        window = index // GROUP_RECORDS
+        if window not in job.windows:
+            with job.window_lock:
+                if window not in job.windows and not job.superseded and not signals.stop.is_set():
+                    self._prepare_window(job, window, phase)
+        if job.superseded:
+            return Cut(ChainEnd.SUPERSEDED)
+        if window not in job.windows:
+            return None  # the batch was cut before this window was prepared
+        candidate, plan = job.candidates[index], job.plans[index]
+        if isinstance(plan, _Send):
+            if signals.stop.is_set():
+                return None  # the batch is cut short: no call starts after that
+            intent: LedgerRow | None = None
+            if plan.verb is Verb.CREATE:
+                intent = job.intents[index]
+                if intent is None:
+                    self._left_to_requeue(candidate, "meanwhile")
+                    return None
+                job.sent.add(index)
+            outcome = self._send(candidate, plan, intent, breaker)
+            if outcome is None:  # the breaker refused the call: nothing went out
+                job.sent.discard(index)
+                return Cut(ChainEnd.BREAKER_OPEN)
+            if intent is not None:
+                candidate = Candidate(candidate.record, intent)
+        else:
+            outcome = plan
+        if signals.over.is_set():
+            return None
+        groups.add(_Settle(index, candidate, outcome))
+        return None
+
+    def _prepare_window(self, job: _GroupedJob, window: int, phase: Phase) -> None:
+        """Check and plan a window's candidates, and commit its creates' intents in one
+        transaction: a conflicting ledger row is found here, before any of them is sent."""
+        indices = range(window * GROUP_RECORDS, min((window + 1) * GROUP_RECORDS, len(job.candidates)))
+        creates: list[int] = []
+        for i in indices:
+            self._check(job.candidates[i], phase)
+            plan = job.plans[i] = self._plan(job.candidates[i])
+            if isinstance(plan, _Send) and plan.verb is Verb.CREATE:
+                creates.append(i)
+        if creates:
+            intents: dict[int, LedgerRow | None] = {}
+            with self.engine.begin() as conn:
+                if not self._fenced_lanes(conn, job.lanes):
+                    job.superseded = True
+                    return
+                now = self.clock()
+                for i in creates:
+                    plan = job.plans[i]
+                    assert isinstance(plan, _Send)
+                    intents[i] = ledger.record_create_intent(conn, self.rule, job.candidates[i], plan.digest, now)
+            job.intents.update(intents)  # only once committed: a rolled-back intent is no row to take back
+        job.windows.add(window)
+
+    def _commit_group(self, job: _GroupedJob, group: list[_Settle]) -> bool:
+        """Settle a group's outcomes in one transaction; False when the fence is closed (nothing
+        written). A conflicting ledger row takes the whole transaction with it: the others are then
+        settled one by one, and the conflict is raised after them."""
+        try:
+            return self._settle_together(job, group)
+        except LedgerRowConflict as conflict:
+            if len(group) == 1:
+                raise
+            first = conflict
+        for item in group:
+            try:
+                if not self._settle_together(job, [item]):
+                    return False
+            except LedgerRowConflict:
+                pass
+        raise first
+
+    def _settle_together(self, job: _GroupedJob, group: list[_Settle]) -> bool:
+        with self.engine.begin() as conn:
+            if not self._fenced_lanes(conn, job.lanes):
+                return False
+            now = self.clock()
+            settled: dict[int, LedgerStatus | None] = {}
+            for item in group:
+                if ledger.settle(conn, self.rule, item.candidate, item.outcome, now):
+                    settled[item.index] = item.outcome.status
+                else:
+                    settled[item.index] = None
+                    self._left_to_requeue(item.candidate, "while it was being sent")
+            self._heartbeat(conn)
+        job.statuses.update(settled)
+        return True
+
+    def _withdraw_quietly(self, job: _GroupedJob) -> None:
+        """`_withdraw_unsent` on a job ending with an error: that error is the one to raise."""
+        try:
+            self._withdraw_unsent(job)
+        except Exception:
+            log.exception("rule %s: could not take back the intents of creates never sent", self.rule.name)
+
+    def _withdraw_unsent(self, job: _GroupedJob) -> None:
+        """Take back the intents of creates the batch never sent (it was cut short)."""
+        unsent = [(i, row) for i, row in job.intents.items() if row is not None and i not in job.sent]
+        if not unsent:
+            return
+        with self.engine.begin() as conn:
+            if not self._fenced_lanes(conn, job.lanes):
+                return
+            for i, row in unsent:
+                ledger.withdraw_create_intent(conn, job.candidates[i].ledger, row)
+
+    def _fenced_lanes(self, conn: sa.Connection, lanes: Sequence[TargetBreaker]) -> bool:
+        """The fence check, the breaker row read with it handed to every worker's breaker (from
+        this thread, while the workers call: each takes it only if it wrote nothing since)."""
+        lanes = list(lanes)
+        marks = [lane.storage.write_mark for lane in lanes]
+        held, breaker_row = chains.holds_fence_for_settle(conn, self.rule.id, self.token, self.rule.target.id)
+        for lane, mark in zip(lanes, marks, strict=True):
+            breaker_row = lane.observe(conn, breaker_row, mark)
+        return held
+
+    # -- one record, settled on its own ---------------------------------------------------------
+
+    def _one(
+        self, candidate: Candidate, phase: Phase, breaker: TargetBreaker, signals: Signals
+    ) -> LedgerStatus | Cut | None:
+        """One record: check, decide, (record a create's intent,) send, settle. Returns the status
+        it settled, None when it was left alone (the job ended first, or a requeue owns the row
+        now), or a cut saying how the batch must end (breaker open, superseded)."""
+        self._check(candidate, phase)
+        plan = self._plan(candidate)
+        intent: LedgerRow | None = None
+        if isinstance(plan, _Send) and plan.verb is Verb.CREATE:
+            with self.engine.begin() as conn:
+                if not self._fenced(conn, breaker):
+                    return Cut(ChainEnd.SUPERSEDED)
+                if signals.stop.is_set():
+                    return None
+                intent = ledger.record_create_intent(conn, self.rule, candidate, plan.digest, self.clock())
+            if intent is None:
+                self._left_to_requeue(candidate, "meanwhile")
+                return None
+        if isinstance(plan, _Send):
+            outcome = self._send(candidate, plan, intent, breaker)
+            if outcome is None:  # the breaker refused the call: nothing went out
+                if intent is not None:
+                    with self.engine.begin() as conn:
+                        ledger.withdraw_create_intent(conn, candidate.ledger, intent)
+                return Cut(ChainEnd.BREAKER_OPEN)
+            if intent is not None:
+                candidate = Candidate(candidate.record, intent)
+        else:
+            outcome = plan
+        if signals.over.is_set():
+            # The job has ended (timeout, cancellation): nothing settles after it. A create's
+            # intent stays, and the next chain repeats the create under the same key. (A batch
+            # merely cut short, by the breaker or another worker's fault, still settles the
+            # answers of the calls in flight.)
+            return None
+        # A checkout per record, not a connection held for the batch: no connection waits
+        # through HTTP calls, and the pool's pre-ping guards every settle.
+        with self.engine.begin() as conn:
+            if not self._fenced(conn, breaker):
+                return Cut(ChainEnd.SUPERSEDED)
+            if not ledger.settle(conn, self.rule, candidate, outcome, self.clock()):
+                self._left_to_requeue(candidate, "while it was being sent")
+                return None
+            self._heartbeat(conn)
+        return outcome.status
+
+    def _left_to_requeue(self, candidate: Candidate, when: str) -> None:
+        """A row whose version moved since the page was read: a requeue wrote it, and it stands."""
+        log.warning(
+            "rule %s: record %s was requeued %s; the requeue stands",
+            self.rule.name,
+            candidate.record.external_id,
+            when,
+        )
+
+    def _fenced(self, conn: sa.Connection, breaker: TargetBreaker) -> bool:
+        """The fence check before a write, reading the target's breaker row in the same statement."""
+        held, breaker_row = chains.holds_fence_for_settle(conn, self.rule.id, self.token, self.rule.target.id)
+        breaker.observe(conn, breaker_row)
+        return held
+
+    def _heartbeat(self, conn: sa.Connection, *, every: float | None = None) -> None:
+        """The chain's heartbeat, written with a settle at most every `HEARTBEAT_SECONDS`: the tick
+        and the lock's dead-holder check judge in minutes, and a write per record would make the
+        one chain row every worker's settle updates a queue of its own."""
+        now = time.monotonic()
+        if now - self._beat_at >= (HEARTBEAT_SECONDS if every is None else every):
+            self._beat_at = now
+            chains.heartbeat(conn, self.token, self.clock())
+
+    def _superseded(self, report: BatchReport) -> BatchReport:
+        report.ended_by = ChainEnd.SUPERSEDED
+        report.message = f"chain superseded: another chain of rule {self.rule.name!r} took over"
+        self.report.add(report)
+        return report
+
+    def _check(self, candidate: Candidate, phase: Phase) -> None:
+        """A candidate the query should never have returned is a broken invariant, raised and never
+        skipped: a skipped change would leave no trace of never having been delivered."""
+        record, row, rule = candidate.record, candidate.ledger, self.rule
+        why = None
+        if record.source_id != rule.source.id or record.domain != rule.domain:
+            why = "it belongs to another source or domain"
+        elif row is not None and row.rule_id != rule.id:
+            why = "its ledger row belongs to another rule"
+        elif row is not None and row.status.is_terminal:
+            why = f"its ledger row is terminal ({row.status.value})"
+        elif phase is Phase.DRAIN and (row is None or row.status is not LedgerStatus.FAILED):
+            why = "the drain offered a row that is not failed"
+        elif phase is Phase.SCAN and record.deleted:
+            why = "it is deleted"
+        elif phase is Phase.SCAN and row is not None and row.status is LedgerStatus.FAILED:
+            why = "it is failed, and failed rows belong to the drain"
+        elif phase is Phase.SCAN and row is not None and row.settled_changed_at == record.changed_at:
+            why = "its ledger row already settled this change"
+        if why is not None:
+            raise UnexpectedCandidate(rule.name, record.external_id, why)
+
+    # -- one record ----------------------------------------------------------------------------
+
+    def _plan(self, candidate: Candidate) -> Outcome | _Send:
+        """What to do with a record, decided from its ledger row alone: an outcome reached without
+        writing (suppressed), or the write to make."""
+        rule, record, row = self.rule, candidate.record, candidate.ledger
+        if record.deleted:
+            # Only the drain reaches here: a failed record deleted since. There is no delete verb,
+            # and sending the stale payload would be wrong, so it is considered and not written.
+            return policy.parked(row, LedgerStatus.SUPPRESSED, last_error="record deleted in the source; not delivered")
+        verb = policy.choose_verb(row)
+        if verb not in rule.policy.verbs:
+            excluded = f"policy {rule.policy.value} excludes {verb.value}"
+            return policy.parked(row, LedgerStatus.SUPPRESSED, last_error=excluded)
+        body = policy.map_payload(record.payload, rule.fields)
+        digest = policy.fingerprint(body)
+        if verb is Verb.UPDATE and row is not None and row.fingerprint == digest:
+            return policy.parked(row, LedgerStatus.SUPPRESSED, last_error="identical to what was last delivered")
+        return _Send(verb, body, digest)
+
+    def _send(
+        self, candidate: Candidate, plan: _Send, intent: LedgerRow | None, breaker: TargetBreaker
+    ) -> Outcome | None:
+        """Make the write; the outcome it leads to, or None when the breaker refused the call."""
+        assert self._writer is not None
+        rule, record, row = self.rule, candidate.record, intent or candidate.ledger
+        writer = self._writer
+        remote_id = row.remote_id if row else None
+        try:
+            if plan.verb is Verb.CREATE:
+                if not isinstance(writer, Creates):
+                    raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
+                generation = row.create_generation if row else 0
+                key = policy.idempotency_key(rule.name, record.external_id, generation, rule.key_epoch)
+                remote_id = breaker.call(writer.create, plan.body, key)
+                if policy.create_may_be_a_replay(candidate.ledger, plan.digest):
+                    # The same key may have carried an older body before (a crash before the
+                    # settle, a timeout after the target took it): a target that honours the key
+                    # answers with the record it made then and keeps that body. Make it ours.
+                    if not isinstance(writer, Updates):
+                        return policy.delivered(row, remote_id, plan.digest, note=REPLAY_NOT_UPDATABLE)
+                    breaker.call(writer.update, remote_id, plan.body)
+            else:
+                if not isinstance(writer, Updates):
+                    raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
+                assert remote_id is not None
+                breaker.call(writer.update, remote_id, plan.body)
+        except pybreaker.CircuitBreakerError:
+            if plan.verb is Verb.CREATE and remote_id is not None:
+                # The create went through and the follow-up update was refused: keep the id, and
+                # no fingerprint, so the next attempt updates.
+                refused = TargetUnavailable("breaker open before the follow-up update")
+                return self._after(row, refused, remote_id)
+            return None
+        except RuleFault:
+            raise
+        except RecordFault as fault:
+            return self._after(row, fault, remote_id)
+        return policy.delivered(row, remote_id, plan.digest)
+
+    def _after(self, row: LedgerRow | None, fault: RecordFault, remote_id: str | None) -> Outcome:
+        return policy.after_fault(
+            row,
+            fault,
+            message=self._error(fault),
+            max_attempts=self.rule.max_attempts,
+            schedule=self.rule.retry_schedule_seconds,
+            now=self.clock(),
+            remote_id=remote_id,
+        )
+
+    def _error(self, exc: Exception) -> str:
+        return redact(str(exc), self._secret)[:1000]
+
+    # -- closing -------------------------------------------------------------------------------
+
+    def finish(self, error: BaseException | None = None, *, cancelled: bool = False) -> ChainReport:
+        """Record how the chain ended. Never rolls anything back. A chain stopped by a person or
+        by Prefect (`cancelled`) ends `cancelled`: that is no fault of the rule."""
+        if cancelled:
+            self.report.ended_by = ChainEnd.CANCELLED
+            self.report.message = "chain cancelled" + (f" ({type(error).__name__})" if error is not None else "")
+        elif error is not None:
+            self.report.ended_by = ChainEnd.RULE_FAULT
+            self.report.message = redact(f"{type(error).__name__}: {error}", self._secret)
+        elif self.report.ended_by is ChainEnd.CAUGHT_UP and not self.report.message:
+            # Recorded with the chain too, so `delivery status` and the status artifact show it.
+            counts = ", ".join(f"{n} {status}" for status, n in sorted(self.report.counts.items()) if n)
+            self.report.message = f"caught up: {counts or 'nothing to deliver'}"
+        if self._writer is not None:
+            self._writer.close()
+        with self.engine.begin() as conn:
+            chains.end_chain(conn, self.report, self.clock())
+        return self.report
+
+    def redact(self, text: str) -> str:
+        return redact(text, self._secret)

@@ -1,0 +1,97 @@
+"""One chain of one rule in a process of its own, for a test to SIGKILL at any moment.
+
+The chain runs the way `flows/deliver_rule.py` runs it (open, drain, scan, finish) without Prefect:
+starting the Prefect CLI costs seconds a round, and what a kill must hit is the chain's own writes,
+not the orchestration. There is no rule lock here: the test runs one chain at a time and closes the
+fence on a killed one, as the tick does for a dead chain.
+
+`python -m tests.acceptance.chain_child DATABASE_URL RULE` runs one chain. With `--fork-server` it
+imports everything once and then forks a process per `run DATABASE_URL RULE` line read from stdin
+(a fresh interpreter per round would spend about a second importing, on every one of them). Each
+chain process writes `pid N`, then `open` once its chain is open (a kill is timed from there), then
+`done SECONDS ATTEMPTED ENDED_BY`; the server writes `exit STATUS` when that process is gone
+(`exit -9`: it was SIGKILLed).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+from delivery import db
+from delivery.chain import Chain
+from delivery.domain import ChainEnd, Phase
+
+
+def run_phase(chain: Chain, phase: Phase) -> tuple[ChainEnd | None, int]:
+    """The loop of `flows.deliver_rule._run_phase`: jobs until one ends the chain, the drain's
+    short page, or the scan's empty one. Returns how the chain ended, if it did, and how many
+    records the phase attempted."""
+    attempted = 0
+    while True:
+        report = chain.run_batch(phase)
+        attempted += report.attempted
+        if report.ended_by is not None:
+            return report.ended_by, attempted
+        if report.attempted == 0 or (phase is Phase.DRAIN and report.attempted < chain.rule.batch_size):
+            return None, attempted
+
+
+def run_chain(url: str, rule: str) -> None:
+    print(f"pid {os.getpid()}", flush=True)
+    engine = db.create_engine(url)
+    chain = Chain(engine, rule)
+    try:
+        ended = chain.open()
+        print("open", flush=True)
+        began = time.monotonic()
+        attempted = 0
+        for phase in (Phase.DRAIN, Phase.SCAN):
+            if ended is not None:
+                break
+            ended, count = run_phase(chain, phase)
+            attempted += count
+    except BaseException as exc:
+        chain.finish(exc)
+        raise
+    report = chain.finish()
+    print(f"done {time.monotonic() - began:.3f} {attempted} {report.ended_by.value}", flush=True)
+    engine.dispose()
+
+
+def fork_server() -> None:
+    """Fork a chain process per `run URL RULE` line until stdin closes. Nothing here opens a
+    connection or starts a thread before forking, so each chain process starts clean."""
+    for line in sys.stdin:
+        command, url, rule = line.split()
+        assert command == "run", line
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            status = 0
+            try:
+                run_chain(url, rule)
+            except BaseException:
+                traceback.print_exc()
+                status = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        _, wait_status = os.waitpid(pid, 0)
+        print(f"exit {os.waitstatus_to_exitcode(wait_status)}", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--fork-server"]:
+        fork_server()
+    else:
+        run_chain(*argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,246 @@
+"""Freeing the rule lock of a holder that is gone never makes two holders: a slot taken with nobody
+on record is not reset while its lease may be alive; a server with a repossessor is left to free
+expired leases itself, even when a dead holder's release fails; and on the ephemeral API (no
+repossessor: the harness's server is one) the slot is freed once any lease has surely expired.
+
+Prefect refuses leases shorter than 60 s, so the expiry tests drive `LockRepair` with a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+from uuid import UUID
+
+import pytest
+import sqlalchemy as sa
+
+import flows.lock
+from delivery import liveness
+from delivery.chain import Chain
+from delivery.clock import utcnow
+from delivery.store import chains, tables
+from flows.lock import LEASE_SECONDS, ensure_lock, release_lease, rule_lock
+from flows.prefect_private import acquire_lease
+from tests.conftest import unique
+from tests.integration.world import RULE, World
+from tests.target_server import TargetServer
+
+
+@pytest.fixture
+def world(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
+    return World(engine, target).apply()
+
+
+@pytest.fixture
+def name(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A limit of this test's own, so that no other test's slot can be in the way."""
+    name = unique("delivery-rule-repair")
+    monkeypatch.setattr(flows.lock, "lock_name", lambda rule: name)
+    monkeypatch.setenv("DELIVERY_LOCK_WAIT_STEP_SECONDS", "1")
+    asyncio.run(ensure_lock(RULE))
+    return name
+
+
+def _take(name: str, timeout: float = 30) -> str:
+    """A lease on the rule's slot that nobody records: like a holder killed between acquiring and
+    recording it, or one whose record was cleared while it still held the slot."""
+
+    async def take() -> str:
+        return str(await acquire_lease(name, timeout_seconds=timeout, lease_seconds=LEASE_SECONDS))
+
+    return asyncio.run(take())
+
+
+def _try_take(name: str, timeout: float) -> str | None:
+    try:
+        return _take(name, timeout)
+    except TimeoutError:
+        return None
+
+
+def _release(lease_id: str) -> None:
+    asyncio.run(release_lease(UUID(lease_id)))
+
+
+def _active_slots(name: str) -> int:
+    from prefect import get_client
+
+    async def read() -> int:
+        async with get_client() as client:
+            return (await client.read_global_concurrency_limit_by_name(name)).active_slots
+
+    return asyncio.run(read())
+
+
+class Waiter:
+    """A job of `chain` entering the rule lock in a thread of its own, holding it until told."""
+
+    def __init__(self, chain: Chain) -> None:
+        self.chain = chain
+        self.acquired = threading.Event()
+        self.leave = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        async def hold() -> None:
+            async with rule_lock(self.chain):
+                self.acquired.set()
+                while not self.leave.is_set():
+                    await asyncio.sleep(0.05)
+
+        try:
+            asyncio.run(hold())
+        except BaseException as exc:
+            self.error = exc
+
+    def __enter__(self) -> Waiter:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.leave.set()
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture
+def others(name: str) -> Iterator[list[str]]:
+    """Leases taken by the test, released at the end whatever happened."""
+    leases: list[str] = []
+    yield leases
+    for lease in leases:
+        _release(lease)
+
+
+def test_a_slot_with_nobody_on_record_is_not_reset_while_its_lease_may_be_alive(
+    world: World, name: str, others: list[str]
+) -> None:
+    alive = _take(name)  # a holder still in its job, with nobody on record
+    with Waiter(Chain(world.engine, RULE)) as waiter:
+        time.sleep(5)  # five wait steps of the waiter
+        _release(alive)  # the holder ends its job and gives back its slot, once
+        assert waiter.acquired.wait(15), waiter.error
+        # A third job must find the rule taken. Had the waiter reset the slot while the lease was
+        # alive, that release would have freed the slot the waiter took: two holders.
+        third = _try_take(name, timeout=3)
+        if third is not None:
+            others.append(third)
+        assert third is None, "two jobs hold the rule lock"
+        assert _active_slots(name) == 1
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _repair(world: World, name: str, *, repossessor: bool) -> tuple[flows.lock.LockRepair, FakeClock]:
+    clock = FakeClock()
+    return flows.lock.LockRepair(Chain(world.engine, RULE), name, repossessor=repossessor, clock=clock), clock
+
+
+def test_without_a_repossessor_an_unaccounted_slot_is_freed_once_any_lease_has_expired(world: World, name: str) -> None:
+    _take(name)  # and never released: its holder was killed before it recorded itself
+    repair, clock = _repair(world, name, repossessor=False)
+    for seconds in (0, 1, LEASE_SECONDS / 2, LEASE_SECONDS, flows.lock.UNACCOUNTED_SECONDS - 1):
+        clock.now = 1000.0 + seconds
+        asyncio.run(repair.after_wait())
+        assert _active_slots(name) == 1, f"reset {seconds} s after it was first seen unaccounted"
+    clock.now = 1000.0 + flows.lock.UNACCOUNTED_SECONDS + 1
+    asyncio.run(repair.after_wait())
+    assert _active_slots(name) == 0
+
+
+def test_a_holder_on_record_again_restarts_the_unaccounted_time(world: World, name: str, others: list[str]) -> None:
+    others.append(_take(name))
+    repair, clock = _repair(world, name, repossessor=False)
+    asyncio.run(repair.after_wait())
+    holder = Chain(world.engine, RULE)
+    liveness.record_lock(world.engine, holder.token, others[0])  # a live holder (this process)
+    clock.now += flows.lock.UNACCOUNTED_SECONDS / 2
+    asyncio.run(repair.after_wait())
+    liveness.record_lock(world.engine, holder.token, None)
+    clock.now += flows.lock.UNACCOUNTED_SECONDS / 2 + 1
+    asyncio.run(repair.after_wait())
+    assert _active_slots(name) == 1  # unaccounted for only since the holder left the record
+
+
+def test_with_a_repossessor_an_unaccounted_slot_is_left_to_lease_expiry(world: World, name: str) -> None:
+    _take(name)
+    repair, clock = _repair(world, name, repossessor=True)
+    for seconds in (0, flows.lock.UNACCOUNTED_SECONDS + 1, 10 * flows.lock.UNACCOUNTED_SECONDS):
+        clock.now = 1000.0 + seconds
+        asyncio.run(repair.after_wait())
+    assert _active_slots(name) == 1
+
+
+def _dead_holder(world: World, lease_id: str) -> str:
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    rule_id = world.rule_row()["id"]
+    with world.engine.begin() as conn:
+        token = chains.start_chain(conn, rule_id, None, utcnow())
+        chains.record_lock(conn, token, lease_id, liveness.this_host(), finished.pid, utcnow())
+    return token
+
+
+def _failing_release(calls: list[str]) -> Any:
+    async def release(lease_id: UUID) -> None:
+        calls.append(str(lease_id))
+        raise RuntimeError("the API did not answer")
+
+    return release
+
+
+def test_with_a_repossessor_a_dead_holder_whose_release_fails_is_not_reset(
+    world: World, name: str, others: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lease = _take(name)
+    others.append(lease)
+    token = _dead_holder(world, lease)
+    calls: list[str] = []
+    monkeypatch.setattr(flows.lock, "release_lease", _failing_release(calls))
+    monkeypatch.setattr(flows.lock, "server_repossesses_leases", lambda: True, raising=False)
+    with Waiter(Chain(world.engine, RULE)) as waiter:
+        time.sleep(4)
+        assert calls == [lease]  # it tried the lease, once
+        assert not waiter.acquired.is_set() and _active_slots(name) == 1  # no blunt reset
+        rule_id = world.rule_row()["id"]
+        with world.engine.connect() as conn:
+            assert chains.lock_holders(conn, rule_id) == []  # the dead holder is off the record
+        monkeypatch.undo()  # ...so the test's own release below is the real one
+        _release(others.pop())  # what the repossessor does once the lease expires
+        assert waiter.acquired.wait(15), waiter.error
+    with world.engine.connect() as conn:
+        dead = conn.execute(sa.select(tables.chains).where(tables.chains.c.token == token)).one()
+    assert dead.ended_by == "superseded" and "left to expire" in dead.message
+
+
+def test_without_a_repossessor_a_dead_holder_whose_release_fails_is_reset(
+    world: World, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lease = _take(name)  # lived in an ephemeral server that is gone: nothing will ever release it
+    _dead_holder(world, lease)
+    calls: list[str] = []
+    monkeypatch.setattr(flows.lock, "release_lease", _failing_release(calls))
+    monkeypatch.setattr(flows.lock, "server_repossesses_leases", lambda: False)
+    with Waiter(Chain(world.engine, RULE)) as waiter:
+        assert waiter.acquired.wait(15), waiter.error
+        assert calls == [lease]
+        assert _active_slots(name) == 1
+
+
+def test_the_harness_server_runs_no_repossessor_and_a_real_server_does(prefect_api: None) -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    assert flows.lock.server_repossesses_leases() is False  # the harness: an ephemeral-mode server
+    with temporary_settings(updates={PREFECT_API_URL: "http://prefect.example:4200/api"}):
+        assert flows.lock.server_repossesses_leases() is True

@@ -1,0 +1,91 @@
+"""The words `delivery status` uses for a rule's route and its target's breaker, pinned exactly, on
+SQLite and PostgreSQL. The overview takes both decisions from where the chain takes them (the route
+from `policy.closed_connection`, the reopening from `breaker.reopens_at`); these pin that doing so
+changed none of its JSON."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from delivery.apply import apply_config
+from delivery.config import parse_config
+from delivery.status import overview
+from delivery.store.tables import breaker_states, connections
+
+NOW = datetime(2026, 12, 1, 8, 0, 0, tzinfo=UTC)
+
+CONFIG = """
+connections:
+  - {name: shop}
+  - {name: crm, driver: rest, base_url: "http://127.0.0.1:9/api", breaker: {reset_seconds: 90}}
+rules:
+  - {name: contacts-to-crm, source: shop, domain: contact, target: crm, collection: contacts}
+"""
+
+
+def _apply(engine: sa.Engine) -> int:
+    with engine.begin() as conn:
+        apply_config(conn, parse_config(CONFIG))
+        return int(conn.execute(sa.select(connections.c.id).where(connections.c.name == "crm")).scalar_one())
+
+
+def _set_status(engine: sa.Engine, name: str, status: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(connections.update().where(connections.c.name == name).values(status=status))
+
+
+def _set_breaker(engine: sa.Engine, crm: int, state: str, fail_counter: int, opened_at: datetime | None) -> None:
+    with engine.begin() as conn:
+        conn.execute(breaker_states.delete().where(breaker_states.c.connection_id == crm))
+        conn.execute(
+            breaker_states.insert().values(
+                connection_id=crm, state=state, fail_counter=fail_counter, success_counter=0, opened_at=opened_at
+            )
+        )
+
+
+def _row(engine: sa.Engine) -> dict[str, Any]:
+    with engine.connect() as conn:
+        [row] = overview(conn, NOW)
+    return row
+
+
+def test_the_route_as_status_words_it(engine: sa.Engine) -> None:
+    _apply(engine)
+    assert (_row(engine)["route_open"], _row(engine)["route"]) == (True, "open")
+    _set_status(engine, "crm", "error")
+    assert (_row(engine)["route_open"], _row(engine)["route"]) == (False, "target crm is error")
+    # Both closed: the source is named, as the chain's gate names it first.
+    _set_status(engine, "shop", "disabled")
+    assert (_row(engine)["route_open"], _row(engine)["route"]) == (False, "source shop is disabled")
+
+
+def test_a_disabled_rule_on_an_open_route_shows_the_route_open(engine: sa.Engine) -> None:
+    _apply(engine)
+    with engine.begin() as conn:
+        apply_config(
+            conn, parse_config(CONFIG.replace("collection: contacts}", "collection: contacts, enabled: false}"))
+        )
+    row = _row(engine)
+    assert (row["enabled"], row["route_open"], row["route"]) == (False, True, "open")
+
+
+def test_the_breaker_as_status_words_it(engine: sa.Engine) -> None:
+    crm = _apply(engine)
+    assert _row(engine)["breaker"] == "closed"
+    _set_breaker(engine, crm, "closed", 0, None)
+    assert _row(engine)["breaker"] == "closed"
+    _set_breaker(engine, crm, "closed", 2, None)
+    assert _row(engine)["breaker"] == "closed (2 failures)"
+    # Opened 30 s ago with a 90 s reset: the trial call is 60 s away.
+    _set_breaker(engine, crm, "open", 5, NOW - timedelta(seconds=30))
+    assert _row(engine)["breaker"] == "open until 2026-12-01T08:01:00+00:00"
+    _set_breaker(engine, crm, "open", 5, NOW - timedelta(seconds=90))
+    assert _row(engine)["breaker"] == "open (a trial call is due)"
+    _set_breaker(engine, crm, "open", 5, None)
+    assert _row(engine)["breaker"] == "open"
+    _set_breaker(engine, crm, "half-open", 0, NOW - timedelta(seconds=120))
+    assert _row(engine)["breaker"] == "half-open"

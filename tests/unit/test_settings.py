@@ -1,0 +1,185 @@
+"""`delivery.settings`: every DELIVERY_* variable the engine reads, its default, its validation, and
+that it is read when asked (a test's monkeypatch.setenv is seen by the next call)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from delivery import db, tick
+from delivery.domain import Connection, ConnectionStatus
+from delivery.errors import InputError
+from delivery.settings import Settings, SettingsError, env_name, positive, secret, settings
+from delivery.writers.base import token_for
+
+VARIABLES = {
+    "database_url": "DELIVERY_DATABASE_URL",
+    "dead_chain_minutes": "DELIVERY_DEAD_CHAIN_MINUTES",
+    "lock_wait_step_seconds": "DELIVERY_LOCK_WAIT_STEP_SECONDS",
+    "batch_timeout_seconds": "DELIVERY_BATCH_TIMEOUT_SECONDS",
+}
+NUMBERS = [field for field in VARIABLES if field != "database_url"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def clean(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No DELIVERY_* variable of ours set (conftest's database URL included)."""
+    for variable in VARIABLES.values():
+        monkeypatch.delenv(variable, raising=False)
+    return monkeypatch
+
+
+def test_every_variable_has_its_name_of_today() -> None:
+    assert {field: env_name(field) for field in Settings.model_fields} == VARIABLES
+
+
+def test_defaults(clean: pytest.MonkeyPatch) -> None:
+    assert settings() == Settings(
+        database_url="sqlite:///delivery.db",
+        dead_chain_minutes=15.0,
+        lock_wait_step_seconds=15.0,
+        batch_timeout_seconds=600.0,
+    )
+    assert db.database_url() == db.DEFAULT_URL == "sqlite:///delivery.db"
+    assert tick.dead_after() == timedelta(minutes=15)
+
+
+@pytest.mark.parametrize("field", NUMBERS)
+def test_each_number_is_read_from_its_variable_at_call_time(clean: pytest.MonkeyPatch, field: str) -> None:
+    clean.setenv(VARIABLES[field], "2.5")
+    assert getattr(settings(), field) == 2.5
+    clean.setenv(VARIABLES[field], "7")
+    assert getattr(settings(), field) == 7.0  # no cache: the next call sees the change
+    clean.setenv(VARIABLES[field], "")
+    assert getattr(settings(), field) == Settings.model_fields[field].default  # empty means unset, as before
+
+
+def test_the_database_url_is_read_and_given_the_psycopg_driver(clean: pytest.MonkeyPatch) -> None:
+    clean.setenv("DELIVERY_DATABASE_URL", "postgresql://u:pw@db.example/delivery")
+    assert settings().database_url == "postgresql://u:pw@db.example/delivery"
+    assert db.database_url() == "postgresql+psycopg://u:pw@db.example/delivery"
+    assert "pw" not in repr(settings())  # a password stays out of anything that prints the settings
+
+
+def test_the_dead_chain_threshold_follows_its_variable(clean: pytest.MonkeyPatch) -> None:
+    clean.setenv("DELIVERY_DEAD_CHAIN_MINUTES", "2")
+    assert tick.dead_after() == timedelta(minutes=2)
+    assert tick.dead_after(5) == timedelta(minutes=5)  # the CLI's --dead-after-minutes wins
+
+
+def test_only_the_upper_case_names_are_ours(clean: pytest.MonkeyPatch) -> None:
+    clean.setenv("delivery_batch_timeout_seconds", "3")
+    assert settings().batch_timeout_seconds == 600.0
+
+
+@pytest.mark.parametrize("field", NUMBERS)
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "inf"])
+def test_a_bad_number_is_refused_naming_its_variable(clean: pytest.MonkeyPatch, field: str, value: str) -> None:
+    clean.setenv(VARIABLES[field], value)
+    with pytest.raises(SettingsError) as refused:
+        settings()
+    assert refused.value.problems == [f"{VARIABLES[field]}: {refused.value.problems[0].split(': ', 1)[1]}"]
+    assert VARIABLES[field] in str(refused.value)
+
+
+def test_every_bad_variable_is_named_at_once_and_no_value_is_repeated(clean: pytest.MonkeyPatch) -> None:
+    clean.setenv("DELIVERY_BATCH_TIMEOUT_SECONDS", "abc-secretish")
+    clean.setenv("DELIVERY_LOCK_WAIT_STEP_SECONDS", "-3")
+    with pytest.raises(SettingsError) as refused:
+        settings()
+    assert sorted(problem.split(":")[0] for problem in refused.value.problems) == [
+        "DELIVERY_BATCH_TIMEOUT_SECONDS",
+        "DELIVERY_LOCK_WAIT_STEP_SECONDS",
+    ]
+    assert "abc-secretish" not in str(refused.value)
+    assert refused.value.__cause__ is None and refused.value.__suppress_context__  # nor in a traceback
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("garbage-s3cret", "not a database URL (expected sqlite:///PATH or postgresql://USER@HOST/DATABASE)"),
+        ("postgresql://u:s3cret@db:port/x", "not a database URL"),
+        ("mysql://u:s3cret@db/x", "the engine runs on SQLite or PostgreSQL (psycopg), not 'mysql'"),
+        ("postgresql+psycopg2://u:s3cret@db/x", "not 'postgresql+psycopg2'"),
+        ("postgresql+asyncpg://u:s3cret@db/x", "not 'postgresql+asyncpg'"),
+    ],
+    ids=["garbage", "bad-port", "mysql", "psycopg2", "asyncpg"],
+)
+def test_a_database_url_the_engine_cannot_run_on_is_refused_without_repeating_it(
+    clean: pytest.MonkeyPatch, url: str, problem: str
+) -> None:
+    clean.setenv("DELIVERY_DATABASE_URL", url)
+    with pytest.raises(SettingsError) as refused:
+        settings()
+    [message] = refused.value.problems
+    assert message.startswith("DELIVERY_DATABASE_URL: ") and problem in message
+    assert "s3cret" not in message and "Value error" not in message
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite:///delivery.db",
+        "sqlite://",
+        "sqlite+pysqlite:////tmp/x.db",
+        "postgres://u@h/d",
+        "postgresql+psycopg://h/d",
+    ],
+)
+def test_the_database_urls_the_engine_runs_on_are_taken(clean: pytest.MonkeyPatch, url: str) -> None:
+    clean.setenv("DELIVERY_DATABASE_URL", url)
+    assert settings().database_url == url
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"), [(0, "greater than 0"), (-1, "greater than 0"), (float("nan"), "finite")]
+)
+def test_positive_checks_an_override_as_the_variable_is_checked(value: float, problem: str) -> None:
+    with pytest.raises(InputError, match=f"^--dead-after-minutes: Input should be .*{problem}"):
+        positive(value, "--dead-after-minutes")
+    with pytest.raises(InputError, match="finite"):
+        positive(float("inf"), "x")
+    assert positive(0.5, "--dead-after-minutes") == 0.5
+
+
+def test_secret_reads_the_named_variable_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SOME_TARGET_TOKEN", "t-1")
+    assert secret("SOME_TARGET_TOKEN") == "t-1"
+    crm = Connection(1, "crm", "rest", ConnectionStatus.ACTIVE, token_env="SOME_TARGET_TOKEN")
+    assert token_for(crm) == "t-1"
+    monkeypatch.setenv("SOME_TARGET_TOKEN", "")
+    assert secret("SOME_TARGET_TOKEN") is None and token_for(crm) is None
+    monkeypatch.delenv("SOME_TARGET_TOKEN")
+    assert secret("SOME_TARGET_TOKEN") is None
+
+
+def test_importing_the_engine_changes_no_environment_variable() -> None:
+    """Every module of delivery, flows and playground, imported in a fresh interpreter: the
+    environment after is the environment before (the CLI sets Prefect's defaults in main())."""
+    script = """
+import importlib, os, pkgutil, sys
+before = dict(os.environ)
+changed = {}
+for package in ("delivery", "flows", "playground"):
+    root = importlib.import_module(package)
+    for module in pkgutil.walk_packages(root.__path__, package + "."):
+        importlib.import_module(module.name)
+        now = dict(os.environ)
+        if now != before:
+            changed[module.name] = sorted(k for k in set(now) | set(before) if now.get(k) != before.get(k))
+            before = now
+print(changed)
+sys.exit(1 if changed else 0)
+"""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_SERVER_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, f"imports changed the environment: {proc.stdout}{proc.stderr}"
