@@ -1,0 +1,56 @@
+"""`delivery`: everything an operator does, from the command line.
+
+Refused input exits 2 with a message naming what is wrong and where, and writes nothing. The
+commands live by concern: `configure` (schema, connections, rules, mirror), `runs` (run, tick,
+status), `records` (ledger, requeue), `services` (serve, sandbox, alerts, demo); `output`
+holds how they print.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# isort: split
+# First, before the slower imports: on a `delivery serve` command line this takes SIGTERM and SIGINT
+# over at once, so that a signal during start-up stops it cleanly too (see flows/stop_signals.py).
+import flows.stop_signals  # noqa: F401
+
+# isort: split
+from delivery.db import DatabaseUnavailable
+from delivery.errors import InputError
+from delivery.settings import settings
+
+# The command modules register their commands on the apps when imported.
+from flows.cli import configure, records, runs, services  # noqa: F401
+from flows.cli.apps import app
+
+__all__ = ["app", "main"]
+
+
+def _prefect_defaults() -> None:
+    """Defaults for Prefect's own settings. Prefect reads them once, when it is first imported, which
+    no command does before this runs; set here rather than at import, so that importing this module
+    changes nothing in the environment."""
+    # The ephemeral Prefect server would otherwise try to phone home from machines with no internet.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Without PREFECT_API_URL, Prefect starts a local API server and gives it 20 s by default; with a
+    # fresh PREFECT_HOME it first migrates its own database, which takes longer on a busy small machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+
+def main() -> None:
+    _prefect_defaults()
+    try:
+        settings()  # a bad DELIVERY_* value is refused here, naming it, before any command runs
+        app()
+    except InputError as exc:
+        # Plain writes: rich markup would eat "[0]" in paths like rules[0].policy.
+        problems = getattr(exc, "problems", None) or [str(exc)]
+        for problem in problems:
+            sys.stderr.write(f"error: {problem}\n")
+        sys.exit(2)
+    except DatabaseUnavailable as exc:
+        # Not refused input: the same command works once the database takes connections.
+        sys.stderr.write(f"error: {exc}\n")
+        sys.exit(1)

@@ -1,0 +1,186 @@
+"""Commands that set the engine up: the schema, connections and rules (and listing them), the mirror."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from delivery.db import upgrade
+from delivery.domain import ConnectionStatus, LedgerStatus
+from delivery.policy import closed_connection
+from delivery.store import catalog
+from delivery.store import ledger as ledger_store
+from flows.cli.apps import app, db_app, mirror_app
+from flows.cli.output import (
+    JsonFlag,
+    cursor_text,
+    engine,
+    print_json,
+    read_only,
+    say,
+    show,
+)
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Apply the Alembic migrations up to head (the default SQLite file is also migrated on first use)."""
+    from delivery.db import check_connection, create_engine
+
+    engine = create_engine()
+    check_connection(engine)
+    upgrade(engine)
+    say("database is at the latest schema")
+
+
+@app.command("apply")
+def apply(
+    config: Annotated[Path, typer.Argument(help="YAML file with 'connections' and 'rules'.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Upsert the connections and rules of CONFIG in one transaction (refused input: exit 2, nothing written).
+    A rule whose source, domain or target changes has its ledger rows retired and starts over."""
+    from delivery.apply import apply_config
+    from delivery.config import load_config
+
+    parsed = load_config(config)
+    with engine().begin() as conn:
+        report = apply_config(conn, parsed)
+    if as_json:
+        print_json(report.as_json())
+        return
+    for label, items in (("created", report.created), ("updated", report.updated), ("unchanged", report.unchanged)):
+        if items:
+            say(f"{label}: {', '.join(items)}")
+    for retirement in report.retired:
+        say(f"retired: {_retirement_text(retirement)}")
+    if not (report.created or report.updated or report.unchanged):
+        say("nothing to apply")
+
+
+def _retirement_text(retirement: catalog.Retirement) -> str:
+    statuses = ", ".join(f"{count} {status}" for status, count in sorted(retirement.statuses.items()))
+    rows = f"{retirement.rows} ledger row{'' if retirement.rows == 1 else 's'}"
+    return f"rule {retirement.rule}: {rows}{f' ({statuses})' if statuses else ''}; {retirement.reason}"
+
+
+@mirror_app.command("load")
+def mirror_load(
+    file: Annotated[
+        Path, typer.Argument(help='JSONL, one record a line: {"id": ..., "payload": {...}, "deleted": false}')
+    ],
+    source: Annotated[str, typer.Option("--source", help="Source connection name.")],
+    domain: Annotated[str, typer.Option("--domain", help="Record domain, e.g. contact.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Upsert mirror records from FILE, all or nothing; the change signal moves only on a real change."""
+    from delivery.mirror_file import read_mirror_file
+    from delivery.store.mirror import load_records
+
+    with engine().begin() as conn:
+        report = load_records(conn, source, domain, read_mirror_file(file))
+    if as_json:
+        print_json(
+            {
+                "source": source,
+                "domain": domain,
+                "file": str(file),
+                "read": report.read,
+                "inserted": report.inserted,
+                "changed": report.changed,
+                "unchanged": report.unchanged,
+                "repeated": report.repeated,
+            }
+        )
+        return
+    repeated = f", {report.repeated} repeated (last one kept)" if report.repeated else ""
+    say(
+        f"{report.read} records read: {report.inserted} new, {report.changed} changed, {report.unchanged} unchanged"
+        + repeated
+    )
+
+
+@app.command("connections")
+def list_connections(as_json: JsonFlag = False) -> None:
+    """List connections with driver, status, base URL, token source and settle mode."""
+    with read_only() as conn:
+        items = catalog.list_connections(conn)
+    rows = [
+        {
+            "name": c.name,
+            "driver": c.driver,
+            "status": c.status.value,
+            "base_url": c.base_url,
+            "token_env": c.token_env,
+            "token_secret": c.token_secret,
+            "settle": c.settle.value,
+        }
+        for c in items
+    ]
+    if as_json:
+        print_json(rows)
+        return
+    show(
+        [
+            {
+                "connection": str(r["name"]),
+                "driver": r["driver"] or "-",
+                "status": str(r["status"]),
+                "base_url": r["base_url"] or "-",
+                "token": f"env {r['token_env']}"
+                if r["token_env"]
+                else (f"secret {r['token_secret']}" if r["token_secret"] else "-"),
+                "settle": str(r["settle"]),
+            }
+            for r in rows
+        ],
+        empty="no connections yet: `delivery apply CONFIG.yaml` saves some",
+    )
+
+
+@app.command("connection-status")
+def connection_status(
+    name: Annotated[str, typer.Argument(help="Connection name.")],
+    status: Annotated[ConnectionStatus, typer.Argument(help="active | error | disabled")],
+) -> None:
+    """Set a connection's status; a route is open only while both of its connections are active."""
+    with engine().begin() as conn:
+        catalog.set_connection_status(conn, name, status)
+    say(f"connection {name} is now {status.value}")
+
+
+@app.command("rules")
+def list_rules(as_json: JsonFlag = False) -> None:
+    """List rules: route, policy, cursor and ledger counts per status."""
+    with read_only() as conn:
+        items = [(r, ledger_store.counts_by_status(conn, r.id)) for r in catalog.list_rules(conn)]
+    rows: list[dict[str, Any]] = [
+        {
+            "rule": r.name,
+            "route": f"{r.source.name}/{r.domain} -> {r.target.name}/{r.collection}",
+            "route_open": closed_connection(r) is None,
+            "policy": r.policy.value,
+            "enabled": r.enabled,
+            "cursor": r.cursor.as_json() if r.cursor else None,
+            "counts": counts,
+        }
+        for r, counts in items
+    ]
+    if as_json:
+        print_json(rows)
+        return
+    show(
+        [
+            {
+                "rule": r.name + ("" if r.enabled else " (disabled)"),
+                "route": row["route"] + ("" if row["route_open"] else " (closed)"),
+                "policy": r.policy.value,
+                "cursor": cursor_text(r.cursor),
+                **{s.value: str(counts[s.value]) for s in LedgerStatus},
+            }
+            for (r, counts), row in zip(items, rows, strict=True)
+        ],
+        empty="no rules yet: `delivery apply CONFIG.yaml` saves some",
+    )

@@ -1,0 +1,185 @@
+"""Commands over the ledger: what each record's row says, and putting parked records back."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from delivery.domain import LedgerStatus
+from delivery.errors import InputError
+from delivery.store import catalog
+from delivery.store import ledger as ledger_store
+from flows.cli.apps import app
+from flows.cli.output import (
+    JsonFlag,
+    engine,
+    iso,
+    out,
+    print_json,
+    read_only,
+    say,
+    show,
+)
+
+
+@app.command("ledger")
+def show_ledger(
+    rule: Annotated[str | None, typer.Option("--rule", help="Only this rule.")] = None,
+    status: Annotated[LedgerStatus | None, typer.Option("--status", help="Only this status.")] = None,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many rows.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Ledger rows: one per (rule, record), with status, remote id, attempts, next attempt and last error."""
+    with read_only() as conn:
+        if rule is not None:
+            catalog.get_rule(conn, rule)
+        rows = ledger_store.ledger_rows(conn, rule, status, limit)
+    if as_json:
+        print_json(
+            [{**r, "next_attempt_at": iso(r["next_attempt_at"]), "updated_at": iso(r["updated_at"])} for r in rows]
+        )
+        return
+    show(
+        [
+            {
+                # A record's heading names its rule too: ledger rows of several rules are listed together.
+                "record": f"{r['rule']} / {r['external_id']}",
+                "status": r["status"],
+                "remote_id": r["remote_id"] or "-",
+                "attempts": str(r["attempts"]),
+                "next_attempt_at": iso(r["next_attempt_at"]) or "-",
+                "last_error": r["last_error"] or "-",
+            }
+            for r in rows
+        ],
+        empty="no ledger rows" + (" match" if rule or status else " yet: `delivery run RULE` delivers and records"),
+    )
+
+
+def _parse_time(value: str) -> datetime:
+    from datetime import UTC
+
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise InputError(f"--since: {value!r} is not an ISO-8601 date or time (e.g. 2026-12-01T08:00)") from exc
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+#: The option of `delivery requeue` behind each parameter a requeue's input error names.
+_REQUEUE_OPTIONS = {
+    "statuses": "--status",
+    "ids": "--id",
+    "error_contains": "--error-contains",
+    "rule": "RULE",
+    "by": "--by",
+}
+
+
+@app.command("requeue")
+def requeue_command(
+    rule: Annotated[str, typer.Argument(help="Rule name.")],
+    status: Annotated[
+        list[LedgerStatus] | None,
+        typer.Option(
+            "--status",
+            metavar="STATUS",
+            help="exhausted | remote_gone | failed (repeatable; default: exhausted and remote_gone).",
+        ),
+    ] = None,
+    ids: Annotated[list[str] | None, typer.Option("--id", help="Only this external id (repeatable).")] = None,
+    error_contains: Annotated[
+        str | None, typer.Option("--error-contains", help="Only rows whose last error contains TEXT.")
+    ] = None,
+    since: Annotated[
+        str | None, typer.Option("--since", help="Only rows parked at or after TIME (ISO-8601, UTC if no zone).")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", metavar="", help="List what would be requeued; change nothing.")
+    ] = False,
+    by: Annotated[str | None, typer.Option("--by", help="Who asks (recorded; default: the login name).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Put parked records back: the selected rows become retries due now (attempts reset).
+
+    A remote_gone row also loses its remote id, so the next chain creates the record again (with a new
+    Idempotency-Key). Every requeue is recorded; `delivery requeues` lists them."""
+    import getpass
+
+    from delivery.clock import utcnow
+    from delivery.store import requeue as requeue_store
+
+    since_time = _parse_time(since) if since else None
+    who = by or getpass.getuser()
+    try:
+        # The same checks as the delivery-requeue flow's.
+        selection = requeue_store.Selection.of(status, ids, error_contains, since_time)
+        requeue_store.check_request(rule, who)
+    except requeue_store.RequeueInputError as exc:
+        raise InputError(f"{_REQUEUE_OPTIONS.get(exc.parameter, exc.parameter)}: {exc}") from None
+    with engine().begin() as conn:
+        target_rule = catalog.get_rule(conn, rule)
+        if dry_run:
+            rows = requeue_store.preview(conn, target_rule, selection)
+        else:
+            rows = requeue_store.requeue(conn, target_rule, selection, who, utcnow())
+    if as_json:
+        print_json(
+            {
+                "rule": rule,
+                "dry_run": dry_run,
+                "count": len(rows),
+                "records": [
+                    {
+                        "external_id": r["external_id"],
+                        "status": r["status"],
+                        "remote_id": r["remote_id"],
+                        "last_error": r["last_error"],
+                    }
+                    for r in rows
+                ],
+            }
+        )
+        return
+    table = Table("external_id", "was", "remote_id", "attempts", "last_error")
+    for r in rows:
+        table.add_row(
+            r["external_id"], r["status"], r["remote_id"] or "-", str(r["attempts"]), (r["last_error"] or "")[:100]
+        )
+    out.print(table)
+    verb = "would requeue" if dry_run else "requeued"
+    say(f"{verb} {len(rows)} record(s) of {rule}" + ("" if dry_run else f" (recorded as requested by {who})"))
+
+
+@app.command("requeues")
+def requeues_command(
+    rule: Annotated[str | None, typer.Option("--rule", help="Only this rule.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """The requeue history: who put back how many records of which rule, when, and with what filters."""
+    from delivery.store import requeue as requeue_store
+
+    with read_only() as conn:
+        if rule is not None:
+            catalog.get_rule(conn, rule)
+        rows = requeue_store.history(conn, rule)
+    if as_json:
+        print_json([{**r, "requested_at": iso(r["requested_at"])} for r in rows])
+        return
+    show(
+        [
+            {
+                "requested_at": iso(r["requested_at"]) or "",
+                "rule": r["rule"],
+                "by": r["requested_by"],
+                "count": str(r["count"]),
+                "criteria": json.dumps(r["criteria"]),
+            }
+            for r in rows
+        ],
+        empty="no requeues recorded",
+    )
