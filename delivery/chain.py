@@ -6,6 +6,8 @@ of one record lands in that record's ledger row and the batch carries on. Nothin
 each record's outcome is its own ledger write, committed on its own or with others in a bounded group
 (the target connection's `settle`, see `delivery.settle`), and the cursor moves only when a batch
 concludes, after every outcome of the batch is committed.
+One record's check, plan and send are `delivery.step`'s; a job settled in groups is
+`delivery.grouped`'s; this module holds the chain's life and the job settled record by record.
 The orchestration (one Prefect task per batch) lives in `flows/`; this module knows nothing of it.
 """
 
@@ -13,13 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-import pybreaker
 import sqlalchemy as sa
 
 from delivery import policy
@@ -33,28 +33,22 @@ from delivery.domain import (
     Cursor,
     LedgerRow,
     LedgerStatus,
-    Outcome,
     Phase,
     Rule,
     SettleMode,
     Verb,
 )
 from delivery.errors import (
-    LedgerRowConflict,
     MissingCredential,
     MissingWriter,
-    RecordFault,
-    RuleFault,
-    TargetUnavailable,
-    UnexpectedCandidate,
-    UnsupportedDeliveryVerb,
 )
+from delivery.grouped import GroupedJob
 from delivery.redact import redact
 from delivery.settings import settings
-from delivery.settle import GROUP_RECORDS, SettleGroups
+from delivery.step import RecordStep, Send
 from delivery.store import catalog, chains, ledger
 from delivery.workers import Cut, Signals, work_through
-from delivery.writers.base import Creates, SecretReader, Updates, Writer, accepts_concurrency, token_for
+from delivery.writers.base import SecretReader, Writer, accepts_concurrency, token_for
 from delivery.writers.registry import find_writer
 
 log = logging.getLogger(__name__)
@@ -64,50 +58,6 @@ HEARTBEAT_SECONDS = 1.0
 #: A chain waiting for the rule lock beats once per wait step: one newer than the lock's holder
 #: counts as waiting while it beat within two steps and this margin.
 HANDOVER_MARGIN_SECONDS = 10.0
-
-#: Written on a delivered row when a create may have been answered with an older body and the
-#: target's writer cannot update: an operator should know the target may hold a stale copy.
-REPLAY_NOT_UPDATABLE = (
-    "created under a key that may have carried an older body; the target's writer cannot update, "
-    "so the target may hold that older body"
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Send:
-    """A write to make: the verb, the mapped body and its digest."""
-
-    verb: Verb
-    body: dict[str, Any]
-    digest: str
-
-
-@dataclasses.dataclass(frozen=True)
-class _Settle:
-    """One record's outcome, waiting for its group's commit."""
-
-    index: int
-    candidate: Candidate
-    outcome: Outcome
-
-
-@dataclasses.dataclass
-class _GroupedJob:
-    """What the workers of one grouped job share. The batch is taken in windows of `GROUP_RECORDS`
-    candidates; a window is checked, planned and its creates' intents committed (one transaction)
-    by the first worker to reach it, before any of its records is sent."""
-
-    candidates: list[Candidate]
-    lanes: list[TargetBreaker]
-    plans: dict[int, Outcome | _Send] = dataclasses.field(default_factory=dict)
-    #: A create's intent row, by index; None where a requeue took the row first.
-    intents: dict[int, LedgerRow | None] = dataclasses.field(default_factory=dict)
-    #: Indices whose request may have gone out: their intents stay whatever happens next.
-    sent: set[int] = dataclasses.field(default_factory=set)
-    windows: set[int] = dataclasses.field(default_factory=set)
-    window_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    statuses: dict[int, LedgerStatus | None] = dataclasses.field(default_factory=dict)
-    superseded: bool = False
 
 
 class Chain:
@@ -146,6 +96,7 @@ class Chain:
         )
         self._scan_from: Cursor | None = policy.scan_start(self.rule)
         self._writer: Writer | None = None
+        self._step: RecordStep | None = None
         self._breaker: TargetBreaker | None = None
         #: The workers' breakers, the chain's own first (see `_work`).
         self._lanes: list[TargetBreaker] = []
@@ -185,7 +136,15 @@ class Chain:
         if accepts_concurrency(writer_type):
             options["concurrency"] = rule.concurrency if writer_type.thread_safe else 1
         self._writer = writer_type(rule.target, rule.collection, **options)
+        self._step = RecordStep(rule, self._writer, token, self.clock)
         return None
+
+    @property
+    def step(self) -> RecordStep:
+        """Check, plan and send one record; there once `open()` has succeeded."""
+        if self._step is None:
+            raise RuntimeError("the chain has not opened")
+        return self._step
 
     def _breaker_message(self, until: datetime | None) -> str:
         when = f" until {until.isoformat(timespec='seconds')}" if until else ""
@@ -239,7 +198,7 @@ class Chain:
                 self._cursor_read = True
                 self.report.cursor_before = self.report.cursor_after = fresh.cursor
                 self._scan_from = policy.scan_start(dataclasses.replace(rule, cursor=fresh.cursor))
-            self._heartbeat(conn, every=0)
+            self.heartbeat(conn, every=0)
             if phase is Phase.DRAIN:
                 candidates = ledger.drain_page(conn, rule, self.started_at, rule.batch_size)
             else:
@@ -268,7 +227,7 @@ class Chain:
                 if not chains.holds_fence(conn, rule.id, self.token):
                     return self._superseded(report)
                 report.cursor_after = chains.move_cursor(conn, rule.id, highest)
-                self._heartbeat(conn, every=0)
+                self.heartbeat(conn, every=0)
         self.report.add(report)
         return report
 
@@ -292,192 +251,16 @@ class Chain:
             return lane
 
         if self.rule.target.settle is SettleMode.GROUPED:
-            settled, cuts = self._work_grouped(_GroupedJob(candidates, lanes), phase, count, new_lane)
+            settled, cuts = GroupedJob(self, candidates, lanes, phase).run(count, new_lane)
         else:
 
-            def step(index: int, breaker: TargetBreaker, signals: Signals) -> LedgerStatus | Cut | None:
+            def deliver_one(index: int, breaker: TargetBreaker, signals: Signals) -> LedgerStatus | Cut | None:
                 return self._one(candidates[index], phase, breaker, signals)
 
-            settled, cuts = work_through(len(candidates), count, new_lane, step)
+            settled, cuts = work_through(len(candidates), count, new_lane, deliver_one)
         return settled, (ChainEnd.SUPERSEDED if ChainEnd.SUPERSEDED in cuts else (cuts[0] if cuts else None))
 
-    # -- grouped settles -----------------------------------------------------------------------
-
-    def _work_grouped(
-        self, job: _GroupedJob, phase: Phase, count: int, new_lane: Callable[[], TargetBreaker]
-    ) -> tuple[list[LedgerStatus | None], list[Any]]:
-        """`_work` for a target settled in groups (`delivery.settle`): the workers send, a thread of
-        the job's own commits their outcomes in groups. A fault raised by one record (a rule fault,
-        a writer's bug) still commits the outcomes gathered before it (nothing is rolled back); a
-        job interrupted (a timeout, a cancellation) commits no outcome more, and its records are
-        sent again by the next chain. Either way the intents of creates never sent are taken back."""
-        signals = Signals()
-
-        def commit(group: list[_Settle]) -> None:
-            if signals.over.is_set():
-                return
-            if not self._commit_group(job, group):
-                job.superseded = True
-                signals.stop.set()
-
-        groups: SettleGroups[_Settle] = SettleGroups(commit, signals.stop.set)
-
-        def step(index: int, breaker: TargetBreaker, signals: Signals) -> Cut | None:
-            return self._one_grouped(job, index, phase, breaker, signals, groups)
-
-        fault: BaseException | None = None
-        cuts: list[Any] = []
-        try:
-            try:
-                # Pooled even for one worker: an exception from a step is then a fault of the job
-                # (its gathered outcomes are committed), one raised into this thread an interruption.
-                _, cuts = work_through(len(job.candidates), count, new_lane, step, signals, pooled=True)
-            except BaseException as exc:
-                if signals.over.is_set():
-                    raise  # a timeout or cancellation: the job has ended
-                fault = exc  # a rule fault, a writer's bug, the database: nothing is rolled back
-            groups.close(commit=True)
-        except BaseException:
-            signals.over.set()
-            groups.close(commit=False)
-            self._withdraw_quietly(job)  # still part of ending the job
-            raise
-        error = fault or groups.error
-        if fault is not None and groups.error is not None:
-            log.error("rule %s: outcomes could not be committed: %r", self.rule.name, groups.error)
-        if not job.superseded:
-            # A create never sent must not read as sent.
-            if error is None:
-                self._withdraw_unsent(job)
-            else:
-                self._withdraw_quietly(job)
-        if error is not None:
-            raise error
-        if job.superseded:
-            cuts.append(ChainEnd.SUPERSEDED)
-        return [job.statuses.get(i) for i in range(len(job.candidates))], cuts
-
-    def _one_grouped(
-        self,
-        job: _GroupedJob,
-        index: int,
-        phase: Phase,
-        breaker: TargetBreaker,
-        signals: Signals,
-        groups: SettleGroups[_Settle],
-    ) -> Cut | None:
-        """One record of a grouped job: its window prepared first, then send, then hand the outcome
-        to the group being gathered."""
-        window = index // GROUP_RECORDS
-        if window not in job.windows:
-            with job.window_lock:
-                if window not in job.windows and not job.superseded and not signals.stop.is_set():
-                    self._prepare_window(job, window, phase)
-        if job.superseded:
-            return Cut(ChainEnd.SUPERSEDED)
-        if window not in job.windows:
-            return None  # the batch was cut before this window was prepared
-        candidate, plan = job.candidates[index], job.plans[index]
-        if isinstance(plan, _Send):
-            if signals.stop.is_set():
-                return None  # the batch is cut short: no call starts after that
-            intent: LedgerRow | None = None
-            if plan.verb is Verb.CREATE:
-                intent = job.intents[index]
-                if intent is None:
-                    self._left_to_requeue(candidate, "meanwhile")
-                    return None
-                job.sent.add(index)
-            outcome = self._send(candidate, plan, intent, breaker)
-            if outcome is None:  # the breaker refused the call: nothing went out
-                job.sent.discard(index)
-                return Cut(ChainEnd.BREAKER_OPEN)
-            if intent is not None:
-                candidate = Candidate(candidate.record, intent)
-        else:
-            outcome = plan
-        if signals.over.is_set():
-            return None
-        groups.add(_Settle(index, candidate, outcome))
-        return None
-
-    def _prepare_window(self, job: _GroupedJob, window: int, phase: Phase) -> None:
-        """Check and plan a window's candidates, and commit its creates' intents in one
-        transaction: a conflicting ledger row is found here, before any of them is sent."""
-        indices = range(window * GROUP_RECORDS, min((window + 1) * GROUP_RECORDS, len(job.candidates)))
-        creates: list[int] = []
-        for i in indices:
-            self._check(job.candidates[i], phase)
-            plan = job.plans[i] = self._plan(job.candidates[i])
-            if isinstance(plan, _Send) and plan.verb is Verb.CREATE:
-                creates.append(i)
-        if creates:
-            intents: dict[int, LedgerRow | None] = {}
-            with self.engine.begin() as conn:
-                if not self._fenced_lanes(conn, job.lanes):
-                    job.superseded = True
-                    return
-                now = self.clock()
-                for i in creates:
-                    plan = job.plans[i]
-                    assert isinstance(plan, _Send)
-                    intents[i] = ledger.record_create_intent(conn, self.rule, job.candidates[i], plan.digest, now)
-            job.intents.update(intents)  # only once committed: a rolled-back intent is no row to take back
-        job.windows.add(window)
-
-    def _commit_group(self, job: _GroupedJob, group: list[_Settle]) -> bool:
-        """Settle a group's outcomes in one transaction; False when the fence is closed (nothing
-        written). A conflicting ledger row takes the whole transaction with it: the others are then
-        settled one by one, and the conflict is raised after them."""
-        try:
-            return self._settle_together(job, group)
-        except LedgerRowConflict as conflict:
-            if len(group) == 1:
-                raise
-            first = conflict
-        for item in group:
-            try:
-                if not self._settle_together(job, [item]):
-                    return False
-            except LedgerRowConflict:
-                pass
-        raise first
-
-    def _settle_together(self, job: _GroupedJob, group: list[_Settle]) -> bool:
-        with self.engine.begin() as conn:
-            if not self._fenced_lanes(conn, job.lanes):
-                return False
-            now = self.clock()
-            settled: dict[int, LedgerStatus | None] = {}
-            for item in group:
-                if ledger.settle(conn, self.rule, item.candidate, item.outcome, now):
-                    settled[item.index] = item.outcome.status
-                else:
-                    settled[item.index] = None
-                    self._left_to_requeue(item.candidate, "while it was being sent")
-            self._heartbeat(conn)
-        job.statuses.update(settled)
-        return True
-
-    def _withdraw_quietly(self, job: _GroupedJob) -> None:
-        """`_withdraw_unsent` on a job ending with an error: that error is the one to raise."""
-        try:
-            self._withdraw_unsent(job)
-        except Exception:
-            log.exception("rule %s: could not take back the intents of creates never sent", self.rule.name)
-
-    def _withdraw_unsent(self, job: _GroupedJob) -> None:
-        """Take back the intents of creates the batch never sent (it was cut short)."""
-        unsent = [(i, row) for i, row in job.intents.items() if row is not None and i not in job.sent]
-        if not unsent:
-            return
-        with self.engine.begin() as conn:
-            if not self._fenced_lanes(conn, job.lanes):
-                return
-            for i, row in unsent:
-                ledger.withdraw_create_intent(conn, job.candidates[i].ledger, row)
-
-    def _fenced_lanes(self, conn: sa.Connection, lanes: Sequence[TargetBreaker]) -> bool:
+    def fenced_lanes(self, conn: sa.Connection, lanes: Sequence[TargetBreaker]) -> bool:
         """The fence check, the breaker row read with it handed to every worker's breaker (from
         this thread, while the workers call: each takes it only if it wrote nothing since)."""
         lanes = list(lanes)
@@ -495,10 +278,10 @@ class Chain:
         """One record: check, decide, (record a create's intent,) send, settle. Returns the status
         it settled, None when it was left alone (the job ended first, or a requeue owns the row
         now), or a cut saying how the batch must end (breaker open, superseded)."""
-        self._check(candidate, phase)
-        plan = self._plan(candidate)
+        self.step.check(candidate, phase)
+        plan = self.step.plan(candidate)
         intent: LedgerRow | None = None
-        if isinstance(plan, _Send) and plan.verb is Verb.CREATE:
+        if isinstance(plan, Send) and plan.verb is Verb.CREATE:
             with self.engine.begin() as conn:
                 if not self._fenced(conn, breaker):
                     return Cut(ChainEnd.SUPERSEDED)
@@ -506,10 +289,10 @@ class Chain:
                     return None
                 intent = ledger.record_create_intent(conn, self.rule, candidate, plan.digest, self.clock())
             if intent is None:
-                self._left_to_requeue(candidate, "meanwhile")
+                self.left_to_requeue(candidate, "meanwhile")
                 return None
-        if isinstance(plan, _Send):
-            outcome = self._send(candidate, plan, intent, breaker)
+        if isinstance(plan, Send):
+            outcome = self.step.send(candidate, plan, intent, breaker)
             if outcome is None:  # the breaker refused the call: nothing went out
                 if intent is not None:
                     with self.engine.begin() as conn:
@@ -531,12 +314,12 @@ class Chain:
             if not self._fenced(conn, breaker):
                 return Cut(ChainEnd.SUPERSEDED)
             if not ledger.settle(conn, self.rule, candidate, outcome, self.clock()):
-                self._left_to_requeue(candidate, "while it was being sent")
+                self.left_to_requeue(candidate, "while it was being sent")
                 return None
-            self._heartbeat(conn)
+            self.heartbeat(conn)
         return outcome.status
 
-    def _left_to_requeue(self, candidate: Candidate, when: str) -> None:
+    def left_to_requeue(self, candidate: Candidate, when: str) -> None:
         """A row whose version moved since the page was read: a requeue wrote it, and it stands."""
         log.warning(
             "rule %s: record %s was requeued %s; the requeue stands",
@@ -551,7 +334,7 @@ class Chain:
         breaker.observe(conn, breaker_row)
         return held
 
-    def _heartbeat(self, conn: sa.Connection, *, every: float | None = None) -> None:
+    def heartbeat(self, conn: sa.Connection, *, every: float | None = None) -> None:
         """The chain's heartbeat, written with a settle at most every `HEARTBEAT_SECONDS`: the tick
         and the lock's dead-holder check judge in minutes, and a write per record would make the
         one chain row every worker's settle updates a queue of its own."""
@@ -565,102 +348,6 @@ class Chain:
         report.message = f"chain superseded: another chain of rule {self.rule.name!r} took over"
         self.report.add(report)
         return report
-
-    def _check(self, candidate: Candidate, phase: Phase) -> None:
-        """A candidate the query should never have returned is a broken invariant, raised and never
-        skipped: a skipped change would leave no trace of never having been delivered."""
-        record, row, rule = candidate.record, candidate.ledger, self.rule
-        why = None
-        if record.source_id != rule.source.id or record.domain != rule.domain:
-            why = "it belongs to another source or domain"
-        elif row is not None and row.rule_id != rule.id:
-            why = "its ledger row belongs to another rule"
-        elif row is not None and row.status.is_terminal:
-            why = f"its ledger row is terminal ({row.status.value})"
-        elif phase is Phase.DRAIN and (row is None or row.status is not LedgerStatus.FAILED):
-            why = "the drain offered a row that is not failed"
-        elif phase is Phase.SCAN and record.deleted:
-            why = "it is deleted"
-        elif phase is Phase.SCAN and row is not None and row.status is LedgerStatus.FAILED:
-            why = "it is failed, and failed rows belong to the drain"
-        elif phase is Phase.SCAN and row is not None and row.settled_changed_at == record.changed_at:
-            why = "its ledger row already settled this change"
-        if why is not None:
-            raise UnexpectedCandidate(rule.name, record.external_id, why)
-
-    # -- one record ----------------------------------------------------------------------------
-
-    def _plan(self, candidate: Candidate) -> Outcome | _Send:
-        """What to do with a record, decided from its ledger row alone: an outcome reached without
-        writing (suppressed), or the write to make."""
-        rule, record, row = self.rule, candidate.record, candidate.ledger
-        if record.deleted:
-            # Only the drain reaches here: a failed record deleted since. There is no delete verb,
-            # and sending the stale payload would be wrong, so it is considered and not written.
-            return policy.parked(row, LedgerStatus.SUPPRESSED, last_error="record deleted in the source; not delivered")
-        verb = policy.choose_verb(row)
-        if verb not in rule.policy.verbs:
-            excluded = f"policy {rule.policy.value} excludes {verb.value}"
-            return policy.parked(row, LedgerStatus.SUPPRESSED, last_error=excluded)
-        body = policy.map_payload(record.payload, rule.fields)
-        digest = policy.fingerprint(body)
-        if verb is Verb.UPDATE and row is not None and row.fingerprint == digest:
-            return policy.parked(row, LedgerStatus.SUPPRESSED, last_error="identical to what was last delivered")
-        return _Send(verb, body, digest)
-
-    def _send(
-        self, candidate: Candidate, plan: _Send, intent: LedgerRow | None, breaker: TargetBreaker
-    ) -> Outcome | None:
-        """Make the write; the outcome it leads to, or None when the breaker refused the call."""
-        assert self._writer is not None
-        rule, record, row = self.rule, candidate.record, intent or candidate.ledger
-        writer = self._writer
-        remote_id = row.remote_id if row else None
-        try:
-            if plan.verb is Verb.CREATE:
-                if not isinstance(writer, Creates):
-                    raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
-                generation = row.create_generation if row else 0
-                key = policy.idempotency_key(rule.name, record.external_id, generation, rule.key_epoch)
-                remote_id = breaker.call(writer.create, plan.body, key)
-                if policy.create_may_be_a_replay(candidate.ledger, plan.digest):
-                    # The same key may have carried an older body before (a crash before the
-                    # settle, a timeout after the target took it): a target that honours the key
-                    # answers with the record it made then and keeps that body. Make it ours.
-                    if not isinstance(writer, Updates):
-                        return policy.delivered(row, remote_id, plan.digest, note=REPLAY_NOT_UPDATABLE)
-                    breaker.call(writer.update, remote_id, plan.body)
-            else:
-                if not isinstance(writer, Updates):
-                    raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
-                assert remote_id is not None
-                breaker.call(writer.update, remote_id, plan.body)
-        except pybreaker.CircuitBreakerError:
-            if plan.verb is Verb.CREATE and remote_id is not None:
-                # The create went through and the follow-up update was refused: keep the id, and
-                # no fingerprint, so the next attempt updates.
-                refused = TargetUnavailable("breaker open before the follow-up update")
-                return self._after(row, refused, remote_id)
-            return None
-        except RuleFault:
-            raise
-        except RecordFault as fault:
-            return self._after(row, fault, remote_id)
-        return policy.delivered(row, remote_id, plan.digest)
-
-    def _after(self, row: LedgerRow | None, fault: RecordFault, remote_id: str | None) -> Outcome:
-        return policy.after_fault(
-            row,
-            fault,
-            message=self._error(fault),
-            max_attempts=self.rule.max_attempts,
-            schedule=self.rule.retry_schedule_seconds,
-            now=self.clock(),
-            remote_id=remote_id,
-        )
-
-    def _error(self, exc: Exception) -> str:
-        return redact(str(exc), self._secret)[:1000]
 
     # -- closing -------------------------------------------------------------------------------
 

@@ -115,7 +115,7 @@ def test_a_ledger_row_the_scan_did_not_see_fails_the_chain_before_the_create_goe
     world.load("c-1")
     chain = Chain(world.engine, RULE)
     assert chain.open() is None
-    real_check = chain._check
+    real_check = chain.step.check
 
     def check(candidate: Candidate, phase: Phase) -> None:
         # Between the page read and the write, a row appears that the scan said was not there.
@@ -135,7 +135,7 @@ def test_a_ledger_row_the_scan_did_not_see_fails_the_chain_before_the_create_goe
             )
         real_check(candidate, phase)
 
-    chain._check = check  # type: ignore[method-assign]
+    chain.step.check = check  # type: ignore[method-assign]
     with pytest.raises(LedgerRowConflict, match="c-1"):
         chain.run_batch(Phase.SCAN)
     chain.finish(LedgerRowConflict(RULE, "c-1"))

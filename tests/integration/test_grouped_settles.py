@@ -112,7 +112,7 @@ def test_a_breaker_tripped_by_another_process_is_seen_within_one_group(
         theirs = _breaker(other_engine, world)
         chain = Chain(world.engine, RULE)
         assert chain.open() is None
-        real_send = chain._send
+        real_send = chain.step.send
         sent = 0
 
         def send(*args: Any) -> Any:
@@ -123,7 +123,7 @@ def test_a_breaker_tripped_by_another_process_is_seen_within_one_group(
                     theirs.call(_fail)  # the other process's failure trips the shared breaker
             return real_send(*args)
 
-        chain._send = send  # type: ignore[method-assign]
+        chain.step.send = send  # type: ignore[method-assign]
         report = chain.run_batch(Phase.SCAN)
         chain.finish()
     finally:

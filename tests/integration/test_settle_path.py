@@ -107,7 +107,7 @@ def test_a_breaker_tripped_by_another_process_is_seen_before_the_next_create(wor
         theirs = _breaker(other_engine, world, fail_max=1)
         chain = Chain(world.engine, RULE)
         assert chain.open() is None
-        real_check = chain._check
+        real_check = chain.step.check
         checked = 0
 
         def check(candidate: Any, phase: Phase) -> None:
@@ -118,7 +118,7 @@ def test_a_breaker_tripped_by_another_process_is_seen_before_the_next_create(wor
                     theirs.call(_fail)  # the other process's failure trips the shared breaker
             real_check(candidate, phase)
 
-        chain._check = check  # type: ignore[method-assign]
+        chain.step.check = check  # type: ignore[method-assign]
         report = chain.run_batch(Phase.SCAN)
         chain.finish()
     finally:

@@ -1,0 +1,224 @@
+"""One job of a target settled in groups (`settle: grouped`, see `delivery.settle`).
+
+The workers send; a thread of the job's own commits their outcomes in groups. The batch is taken in
+windows of `GROUP_RECORDS` candidates: a window is checked, planned and its creates' intents
+committed (one transaction) by the first worker to reach it, before any of its records is sent, so a
+conflicting ledger row is still found before any request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from delivery.breaker import TargetBreaker
+from delivery.domain import Candidate, ChainEnd, LedgerRow, LedgerStatus, Outcome, Phase, Verb
+from delivery.errors import LedgerRowConflict
+from delivery.settle import GROUP_RECORDS, SettleGroups
+from delivery.step import Send
+from delivery.store import ledger
+from delivery.workers import Cut, Signals, work_through
+
+if TYPE_CHECKING:
+    from delivery.chain import Chain
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settle:
+    """One record's outcome, waiting for its group's commit."""
+
+    index: int
+    candidate: Candidate
+    outcome: Outcome
+
+
+class GroupedJob:
+    """What the workers of one grouped job share, and how they deliver the batch."""
+
+    def __init__(self, chain: Chain, candidates: list[Candidate], lanes: list[TargetBreaker], phase: Phase) -> None:
+        self.chain = chain
+        self.candidates = candidates
+        self.lanes = lanes
+        self.phase = phase
+        self.plans: dict[int, Outcome | Send] = {}
+        #: A create's intent row, by index; None where a requeue took the row first.
+        self.intents: dict[int, LedgerRow | None] = {}
+        #: Indices whose request may have gone out: their intents stay whatever happens next.
+        self.sent: set[int] = set()
+        self.windows: set[int] = set()
+        self.window_lock = threading.Lock()
+        self.statuses: dict[int, LedgerStatus | None] = {}
+        self.superseded = False
+
+    def run(self, count: int, new_lane: Callable[[], TargetBreaker]) -> tuple[list[LedgerStatus | None], list[Any]]:
+        """Deliver the batch with `count` workers. Returns each candidate's settled status (None:
+        not attempted) and the cuts that ended it early. A fault raised by one record (a rule
+        fault, a writer's bug) still commits the outcomes gathered before it (nothing is rolled
+        back); a job interrupted (a timeout, a cancellation) commits no outcome more, and its
+        records are sent again by the next chain. Either way the intents of creates never sent are
+        taken back."""
+        signals = Signals()
+
+        def commit(group: list[_Settle]) -> None:
+            if signals.over.is_set():
+                return
+            if not self._commit_group(group):
+                self.superseded = True
+                signals.stop.set()
+
+        groups: SettleGroups[_Settle] = SettleGroups(commit, signals.stop.set)
+
+        def step(index: int, breaker: TargetBreaker, signals: Signals) -> Cut | None:
+            return self._one(index, breaker, signals, groups)
+
+        fault: BaseException | None = None
+        cuts: list[Any] = []
+        try:
+            try:
+                # Pooled even for one worker: an exception from a step is then a fault of the job
+                # (its gathered outcomes are committed), one raised into this thread an interruption.
+                _, cuts = work_through(len(self.candidates), count, new_lane, step, signals, pooled=True)
+            except BaseException as exc:
+                if signals.over.is_set():
+                    raise  # a timeout or cancellation: the job has ended
+                fault = exc  # a rule fault, a writer's bug, the database: nothing is rolled back
+            groups.close(commit=True)
+        except BaseException:
+            signals.over.set()
+            groups.close(commit=False)
+            self._withdraw_quietly()  # still part of ending the job
+            raise
+        error = fault or groups.error
+        if fault is not None and groups.error is not None:
+            log.error("rule %s: outcomes could not be committed: %r", self.chain.rule.name, groups.error)
+        if not self.superseded:
+            # A create never sent must not read as sent.
+            if error is None:
+                self._withdraw_unsent()
+            else:
+                self._withdraw_quietly()
+        if error is not None:
+            raise error
+        if self.superseded:
+            cuts.append(ChainEnd.SUPERSEDED)
+        return [self.statuses.get(i) for i in range(len(self.candidates))], cuts
+
+    def _one(self, index: int, breaker: TargetBreaker, signals: Signals, groups: SettleGroups[_Settle]) -> Cut | None:
+        """One record: its window prepared first, then send, then hand the outcome to the group
+        being gathered."""
+        window = index // GROUP_RECORDS
+        if window not in self.windows:
+            with self.window_lock:
+                if window not in self.windows and not self.superseded and not signals.stop.is_set():
+                    self._prepare_window(window)
+        if self.superseded:
+            return Cut(ChainEnd.SUPERSEDED)
+        if window not in self.windows:
+            return None  # the batch was cut before this window was prepared
+        candidate, plan = self.candidates[index], self.plans[index]
+        if isinstance(plan, Send):
+            if signals.stop.is_set():
+                return None  # the batch is cut short: no call starts after that
+            intent: LedgerRow | None = None
+            if plan.verb is Verb.CREATE:
+                intent = self.intents[index]
+                if intent is None:
+                    self.chain.left_to_requeue(candidate, "meanwhile")
+                    return None
+                self.sent.add(index)
+            outcome = self.chain.step.send(candidate, plan, intent, breaker)
+            if outcome is None:  # the breaker refused the call: nothing went out
+                self.sent.discard(index)
+                return Cut(ChainEnd.BREAKER_OPEN)
+            if intent is not None:
+                candidate = Candidate(candidate.record, intent)
+        else:
+            outcome = plan
+        if signals.over.is_set():
+            return None
+        groups.add(_Settle(index, candidate, outcome))
+        return None
+
+    def _prepare_window(self, window: int) -> None:
+        """Check and plan a window's candidates, and commit its creates' intents in one
+        transaction: a conflicting ledger row is found here, before any of them is sent."""
+        chain, step = self.chain, self.chain.step
+        indices = range(window * GROUP_RECORDS, min((window + 1) * GROUP_RECORDS, len(self.candidates)))
+        creates: list[int] = []
+        for i in indices:
+            step.check(self.candidates[i], self.phase)
+            plan = self.plans[i] = step.plan(self.candidates[i])
+            if isinstance(plan, Send) and plan.verb is Verb.CREATE:
+                creates.append(i)
+        if creates:
+            intents: dict[int, LedgerRow | None] = {}
+            with chain.engine.begin() as conn:
+                if not chain.fenced_lanes(conn, self.lanes):
+                    self.superseded = True
+                    return
+                now = chain.clock()
+                for i in creates:
+                    plan = self.plans[i]
+                    assert isinstance(plan, Send)
+                    intents[i] = ledger.record_create_intent(conn, chain.rule, self.candidates[i], plan.digest, now)
+            self.intents.update(intents)  # only once committed: a rolled-back intent is no row to take back
+        self.windows.add(window)
+
+    def _commit_group(self, group: list[_Settle]) -> bool:
+        """Settle a group's outcomes in one transaction; False when the fence is closed (nothing
+        written). A conflicting ledger row takes the whole transaction with it: the others are then
+        settled one by one, and the conflict is raised after them."""
+        try:
+            return self._settle_together(group)
+        except LedgerRowConflict as conflict:
+            if len(group) == 1:
+                raise
+            first = conflict
+        for item in group:
+            try:
+                if not self._settle_together([item]):
+                    return False
+            except LedgerRowConflict:
+                pass
+        raise first
+
+    def _settle_together(self, group: list[_Settle]) -> bool:
+        chain = self.chain
+        with chain.engine.begin() as conn:
+            if not chain.fenced_lanes(conn, self.lanes):
+                return False
+            now = chain.clock()
+            settled: dict[int, LedgerStatus | None] = {}
+            for item in group:
+                if ledger.settle(conn, chain.rule, item.candidate, item.outcome, now):
+                    settled[item.index] = item.outcome.status
+                else:
+                    settled[item.index] = None
+                    chain.left_to_requeue(item.candidate, "while it was being sent")
+            chain.heartbeat(conn)
+        self.statuses.update(settled)
+        return True
+
+    def _withdraw_quietly(self) -> None:
+        """`_withdraw_unsent` on a job ending with an error: that error is the one to raise."""
+        try:
+            self._withdraw_unsent()
+        except Exception:
+            log.exception("rule %s: could not take back the intents of creates never sent", self.chain.rule.name)
+
+    def _withdraw_unsent(self) -> None:
+        """Take back the intents of creates the batch never sent (it was cut short)."""
+        unsent = [(i, row) for i, row in self.intents.items() if row is not None and i not in self.sent]
+        if not unsent:
+            return
+        chain = self.chain
+        with chain.engine.begin() as conn:
+            if not chain.fenced_lanes(conn, self.lanes):
+                return
+            for i, row in unsent:
+                ledger.withdraw_create_intent(conn, self.candidates[i].ledger, row)

@@ -1,0 +1,139 @@
+"""One record's step, decided and sent: is it a candidate at all, what to do with it (an outcome
+reached without writing, or the write to make), and the write itself with where its fault goes.
+
+No database here: the chain records intents and settles outcomes around these calls, on its own
+(`delivery.chain`) or in groups (`delivery.grouped`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+import pybreaker
+
+from delivery import policy
+from delivery.breaker import TargetBreaker
+from delivery.domain import Candidate, LedgerRow, LedgerStatus, Outcome, Phase, Rule, Verb
+from delivery.errors import RecordFault, RuleFault, TargetUnavailable, UnexpectedCandidate, UnsupportedDeliveryVerb
+from delivery.redact import redact
+from delivery.writers.base import Creates, Updates, Writer
+
+#: Written on a delivered row when a create may have been answered with an older body and the
+#: target's writer cannot update: an operator should know the target may hold a stale copy.
+REPLAY_NOT_UPDATABLE = (
+    "created under a key that may have carried an older body; the target's writer cannot update, "
+    "so the target may hold that older body"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    """A write to make: the verb, the mapped body and its digest."""
+
+    verb: Verb
+    body: dict[str, Any]
+    digest: str
+
+
+class RecordStep:
+    """Check, plan and send one record of `rule` through `writer`. Thread-safe as far as the
+    writer is: it holds no state of its own between calls."""
+
+    def __init__(self, rule: Rule, writer: Writer, secret: str | None, clock: Callable[[], datetime]) -> None:
+        self.rule = rule
+        self.writer = writer
+        self.secret = secret
+        self.clock = clock
+
+    def check(self, candidate: Candidate, phase: Phase) -> None:
+        """A candidate the query should never have returned is a broken invariant, raised and never
+        skipped: a skipped change would leave no trace of never having been delivered."""
+        record, row, rule = candidate.record, candidate.ledger, self.rule
+        why = None
+        if record.source_id != rule.source.id or record.domain != rule.domain:
+            why = "it belongs to another source or domain"
+        elif row is not None and row.rule_id != rule.id:
+            why = "its ledger row belongs to another rule"
+        elif row is not None and row.status.is_terminal:
+            why = f"its ledger row is terminal ({row.status.value})"
+        elif phase is Phase.DRAIN and (row is None or row.status is not LedgerStatus.FAILED):
+            why = "the drain offered a row that is not failed"
+        elif phase is Phase.SCAN and record.deleted:
+            why = "it is deleted"
+        elif phase is Phase.SCAN and row is not None and row.status is LedgerStatus.FAILED:
+            why = "it is failed, and failed rows belong to the drain"
+        elif phase is Phase.SCAN and row is not None and row.settled_changed_at == record.changed_at:
+            why = "its ledger row already settled this change"
+        if why is not None:
+            raise UnexpectedCandidate(rule.name, record.external_id, why)
+
+    def plan(self, candidate: Candidate) -> Outcome | Send:
+        """What to do with a record, decided from its ledger row alone: an outcome reached without
+        writing (suppressed), or the write to make."""
+        rule, record, row = self.rule, candidate.record, candidate.ledger
+        if record.deleted:
+            # Only the drain reaches here: a failed record deleted since. There is no delete verb,
+            # and sending the stale payload would be wrong, so it is considered and not written.
+            return policy.parked(row, LedgerStatus.SUPPRESSED, last_error="record deleted in the source; not delivered")
+        verb = policy.choose_verb(row)
+        if verb not in rule.policy.verbs:
+            excluded = f"policy {rule.policy.value} excludes {verb.value}"
+            return policy.parked(row, LedgerStatus.SUPPRESSED, last_error=excluded)
+        body = policy.map_payload(record.payload, rule.fields)
+        digest = policy.fingerprint(body)
+        if verb is Verb.UPDATE and row is not None and row.fingerprint == digest:
+            return policy.parked(row, LedgerStatus.SUPPRESSED, last_error="identical to what was last delivered")
+        return Send(verb, body, digest)
+
+    def send(
+        self, candidate: Candidate, plan: Send, intent: LedgerRow | None, breaker: TargetBreaker
+    ) -> Outcome | None:
+        """Make the write; the outcome it leads to, or None when the breaker refused the call."""
+        rule, record, row = self.rule, candidate.record, intent or candidate.ledger
+        writer = self.writer
+        remote_id = row.remote_id if row else None
+        try:
+            if plan.verb is Verb.CREATE:
+                if not isinstance(writer, Creates):
+                    raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
+                generation = row.create_generation if row else 0
+                key = policy.idempotency_key(rule.name, record.external_id, generation, rule.key_epoch)
+                remote_id = breaker.call(writer.create, plan.body, key)
+                if policy.create_may_be_a_replay(candidate.ledger, plan.digest):
+                    # The same key may have carried an older body before (a crash before the
+                    # settle, a timeout after the target took it): a target that honours the key
+                    # answers with the record it made then and keeps that body. Make it ours.
+                    if not isinstance(writer, Updates):
+                        return policy.delivered(row, remote_id, plan.digest, note=REPLAY_NOT_UPDATABLE)
+                    breaker.call(writer.update, remote_id, plan.body)
+            else:
+                if not isinstance(writer, Updates):
+                    raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
+                assert remote_id is not None
+                breaker.call(writer.update, remote_id, plan.body)
+        except pybreaker.CircuitBreakerError:
+            if plan.verb is Verb.CREATE and remote_id is not None:
+                # The create went through and the follow-up update was refused: keep the id, and
+                # no fingerprint, so the next attempt updates.
+                refused = TargetUnavailable("breaker open before the follow-up update")
+                return self._after(row, refused, remote_id)
+            return None
+        except RuleFault:
+            raise
+        except RecordFault as fault:
+            return self._after(row, fault, remote_id)
+        return policy.delivered(row, remote_id, plan.digest)
+
+    def _after(self, row: LedgerRow | None, fault: RecordFault, remote_id: str | None) -> Outcome:
+        return policy.after_fault(
+            row,
+            fault,
+            message=redact(str(fault), self.secret)[:1000],
+            max_attempts=self.rule.max_attempts,
+            schedule=self.rule.retry_schedule_seconds,
+            now=self.clock(),
+            remote_id=remote_id,
+        )
