@@ -19,9 +19,9 @@ from delivery.domain import (
     RuleSpec,
     SavedRule,
     SettleMode,
-    text_problem,
 )
 from delivery.errors import ConfigError
+from delivery.storable import text_problem
 from delivery.writers.base import verbs_of
 from delivery.writers.registry import find_writer, registered_drivers
 

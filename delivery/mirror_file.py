@@ -8,8 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from delivery.domain import EXTERNAL_ID_MAX, MirrorInput, payload_problem, text_problem
+from delivery.domain import MirrorInput
 from delivery.errors import InputError, MirrorLoadError
+from delivery.storable import EXTERNAL_ID_MAX, payload_problem, text_problem
 
 _KEYS = {"id", "payload", "deleted"}
 

@@ -13,8 +13,9 @@ import sqlalchemy as sa
 
 from delivery.clock import utcnow
 from delivery.digest import canonical_digest
-from delivery.domain import MirrorInput, mirror_input_problem, text_problem
+from delivery.domain import MirrorInput
 from delivery.errors import InputError, MirrorLoadError, UnknownName
+from delivery.storable import mirror_input_problem, text_problem
 from delivery.store.tables import connections, mirror_records
 
 #: Rows per round trip: large enough to amortise the statement, small enough for SQLite's

@@ -10,8 +10,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from delivery.domain import LedgerStatus, Rule, text_problem
+from delivery.domain import LedgerStatus, Rule
 from delivery.errors import InputError
+from delivery.storable import text_problem
 from delivery.store.tables import ledger, mirror_records, requeues, rules
 
 #: Statuses requeued when none is named: the parked (terminal) ones.
