@@ -20,6 +20,7 @@ import flows.stop_signals  # noqa: F401
 from delivery.db import DatabaseUnavailable
 from delivery.errors import InputError
 from delivery.settings import settings
+from delivery.storable import text_problem
 
 # The command modules register their commands on the apps when imported.
 from flows.cli import configure, records, runs, services  # noqa: F401
@@ -39,9 +40,42 @@ def _prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
+def _options_taking_a_value() -> set[str]:
+    import typer.main
+
+    names: set[str] = set()
+    pending = [typer.main.get_command(app)]
+    while pending:
+        command = pending.pop()
+        for param in command.params:
+            if param.param_type_name == "option" and not getattr(param, "is_flag", False):
+                names.update(param.opts)
+        pending.extend(getattr(command, "commands", {}).values())
+    return names
+
+
+def _check_arguments(args: list[str]) -> None:
+    """A byte of the command line that is not UTF-8 reaches Python as a lone surrogate, which no
+    database or target takes: refused here, naming the option or the argument's position, instead
+    of as a driver's traceback wherever the value first meets a database."""
+    for number, arg in enumerate(args, start=1):
+        if text_problem(arg) is None:
+            continue
+        before = args[number - 2] if number > 1 else ""
+        if arg.startswith("--") and "=" in arg:
+            where, arg = arg.split("=", 1)
+        elif before in _options_taking_a_value():
+            where = before
+        else:
+            where = f"argument {number}"
+        shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise InputError(f"{where}: '{shown}' is not UTF-8 text; names, ids and values must be")
+
+
 def main() -> None:
     _prefect_defaults()
     try:
+        _check_arguments(sys.argv[1:])
         settings()  # a bad DELIVERY_* value is refused here, naming it, before any command runs
         app()
     except InputError as exc:

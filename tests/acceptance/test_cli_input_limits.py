@@ -136,12 +136,41 @@ def test_requeue_refuses_a_by_longer_than_the_audit_row_keeps_exit_2_nothing_wri
         proc = delivery("requeue", RULE, "--by", "x" * 500, *extra, cwd=tmp_path)
         refused(proc, "error: --by: the value is longer than 200 characters")
     # An undecodable byte in an argument becomes a lone surrogate, which no database encodes.
-    refused(
-        delivery("requeue", RULE, "--by", "ops\udcff", cwd=tmp_path), "error: --by: the value holds a lone surrogate"
-    )
+    refused(delivery("requeue", RULE, "--by", "ops\udcff", cwd=tmp_path), "error: --by: 'ops\\xff' is not UTF-8 text")
     assert table_rows(engine, ledger) == before and table_rows(engine, requeues) == []
     ok(delivery("requeue", RULE, "--by", "x" * 200, cwd=tmp_path))
     assert [r["requested_by"] for r in table_rows(engine, requeues)] == ["x" * 200]
+
+
+#: Command lines with a byte that is not UTF-8 (Python reads it as the lone surrogate \udcff), and
+#: the option or position the refusal names.
+UNDECODABLE: list[tuple[list[str], str]] = [
+    (["run", "r\udcff"], "argument 2: 'r\\xff'"),
+    (["ledger", "--rule", "r\udcff"], "--rule: 'r\\xff'"),
+    (["connection-status", "cr\udcffm", "error"], "argument 2: 'cr\\xffm'"),
+    (["requeue", "--dry-run", "r\udcff"], "argument 3: 'r\\xff'"),
+    (["requeue", RULE, "--id=p\udcff"], "--id: 'p\\xff'"),
+    (["requeues", "--rule", "é\udcff"], "--rule: 'é\\xff'"),
+    (["mirror", "load", "--source", "sh\udcffop", "--domain", "contact", "x.jsonl"], "--source: 'sh\\xffop'"),
+]
+
+
+def test_a_byte_that_is_not_utf8_in_any_argument_is_refused_naming_it_exit_2_nothing_written(
+    engine: sa.Engine, applied: Path
+) -> None:
+    """Before: a UnicodeEncodeError traceback from the database driver (exit 1), on both databases,
+    wherever the value first met a query."""
+    before = (table_rows(engine, rules), table_rows(engine, mirror_records), table_rows(engine, ledger))
+    started = [(args, where, spawn(*args, cwd=applied)) for args, where in UNDECODABLE]
+    failures = []
+    for args, where, popen in started:
+        try:
+            refused(finish(popen), f"error: {where} is not UTF-8 text")
+        except AssertionError as exc:
+            failures.append(f"{args}: {exc}")
+    assert not failures, "\n\n".join(failures)
+    after = (table_rows(engine, rules), table_rows(engine, mirror_records), table_rows(engine, ledger))
+    assert after == before
 
 
 @pytest.mark.parametrize(("value", "problem"), [("-1", "greater than 0"), ("0", "greater than 0"), ("nan", "finite")])
