@@ -291,17 +291,13 @@ class Chain:
             if intent is None:
                 self.left_to_requeue(candidate, "meanwhile")
                 return None
-        if isinstance(plan, Send):
-            outcome = self.step.send(candidate, plan, intent, breaker)
-            if outcome is None:  # the breaker refused the call: nothing went out
-                if intent is not None:
-                    with self.engine.begin() as conn:
-                        ledger.withdraw_create_intent(conn, candidate.ledger, intent)
-                return Cut(ChainEnd.BREAKER_OPEN)
+        done = self.step.carry_out(candidate, plan, intent, breaker)
+        if done is None:
             if intent is not None:
-                candidate = Candidate(candidate.record, intent)
-        else:
-            outcome = plan
+                with self.engine.begin() as conn:
+                    ledger.withdraw_create_intent(conn, candidate.ledger, intent)
+            return Cut(ChainEnd.BREAKER_OPEN)
+        candidate, outcome = done
         if signals.over.is_set():
             # The job has ended (timeout, cancellation): nothing settles after it. A create's
             # intent stays, and the next chain repeats the create under the same key. (A batch

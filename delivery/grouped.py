@@ -121,24 +121,21 @@ class GroupedJob:
         if window not in self.windows:
             return None  # the batch was cut before this window was prepared
         candidate, plan = self.candidates[index], self.plans[index]
+        intent: LedgerRow | None = None
         if isinstance(plan, Send):
             if signals.stop.is_set():
                 return None  # the batch is cut short: no call starts after that
-            intent: LedgerRow | None = None
             if plan.verb is Verb.CREATE:
                 intent = self.intents[index]
                 if intent is None:
                     self.chain.left_to_requeue(candidate, "meanwhile")
                     return None
                 self.sent.add(index)
-            outcome = self.chain.step.send(candidate, plan, intent, breaker)
-            if outcome is None:  # the breaker refused the call: nothing went out
-                self.sent.discard(index)
-                return Cut(ChainEnd.BREAKER_OPEN)
-            if intent is not None:
-                candidate = Candidate(candidate.record, intent)
-        else:
-            outcome = plan
+        done = self.chain.step.carry_out(candidate, plan, intent, breaker)
+        if done is None:
+            self.sent.discard(index)
+            return Cut(ChainEnd.BREAKER_OPEN)
+        candidate, outcome = done
         if signals.over.is_set():
             return None
         groups.add(_Settle(index, candidate, outcome))

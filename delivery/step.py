@@ -88,6 +88,19 @@ class RecordStep:
             return policy.parked(row, LedgerStatus.SUPPRESSED, last_error="identical to what was last delivered")
         return Send(verb, body, digest)
 
+    def carry_out(
+        self, candidate: Candidate, plan: Outcome | Send, intent: LedgerRow | None, breaker: TargetBreaker
+    ) -> tuple[Candidate, Outcome] | None:
+        """The plan carried out: an outcome reached without writing, or the write sent (the
+        candidate then carries its create's intent row, which the settle checks). None when the
+        breaker refused the call: nothing went out."""
+        if not isinstance(plan, Send):
+            return candidate, plan
+        outcome = self.send(candidate, plan, intent, breaker)
+        if outcome is None:
+            return None
+        return (candidate if intent is None else Candidate(candidate.record, intent)), outcome
+
     def send(
         self, candidate: Candidate, plan: Send, intent: LedgerRow | None, breaker: TargetBreaker
     ) -> Outcome | None:

@@ -24,7 +24,6 @@ from delivery.clock import utcnow
 from delivery.db import shared_engine
 from delivery.errors import InputError
 from delivery.settings import settings
-from delivery.store import catalog
 from delivery.store import requeue as requeue_store
 
 #: At most this many records are listed in the artifact; its description always gives the total.
@@ -99,11 +98,9 @@ def delivery_requeue(
         except requeue_store.RequeueInputError as exc:
             raise InputError(f"{exc.parameter}: {exc}") from None
         with shared_engine().begin() as conn:
-            target_rule = catalog.get_rule(conn, rule)
-            if dry_run:
-                rows = requeue_store.preview(conn, target_rule, selection)
-            else:
-                rows = requeue_store.requeue(conn, target_rule, selection, who, utcnow(), flow_run_id=flow_run.get_id())
+            rows = requeue_store.requeue_or_preview(
+                conn, rule, selection, who, utcnow(), dry_run=dry_run, flow_run_id=flow_run.get_id()
+            )
     except InputError as exc:
         logger.error("requeue of %s refused: %s", rule, exc)
         return Failed(message=str(exc), name=type(exc).__name__)

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from delivery.domain import LedgerStatus, Rule
 from delivery.errors import InputError
 from delivery.storable import text_problem
+from delivery.store import catalog
 from delivery.store.tables import ledger, mirror_records, requeues, rules
 
 #: Statuses requeued when none is named: the parked (terminal) ones.
@@ -179,6 +180,24 @@ def requeue(
             )
         )
     return changed
+
+
+def requeue_or_preview(
+    conn: sa.Connection,
+    rule_name: str,
+    selection: Selection,
+    by: str,
+    now: datetime,
+    *,
+    dry_run: bool,
+    flow_run_id: str | None = None,
+) -> list[dict[str, Any]]:
+    """What `delivery requeue` and the delivery-requeue flow both do once their input is checked:
+    the rows the selection takes, requeued, or only listed when `dry_run`."""
+    rule = catalog.get_rule(conn, rule_name)
+    if dry_run:
+        return preview(conn, rule, selection)
+    return requeue(conn, rule, selection, by, now, flow_run_id=flow_run_id)
 
 
 def history(conn: sa.Connection, rule: str | None = None, limit: int = 50) -> list[dict[str, Any]]:

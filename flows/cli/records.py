@@ -122,11 +122,7 @@ def requeue_command(
     except requeue_store.RequeueInputError as exc:
         raise InputError(f"{_REQUEUE_OPTIONS.get(exc.parameter, exc.parameter)}: {exc}") from None
     with engine().begin() as conn:
-        target_rule = catalog.get_rule(conn, rule)
-        if dry_run:
-            rows = requeue_store.preview(conn, target_rule, selection)
-        else:
-            rows = requeue_store.requeue(conn, target_rule, selection, who, utcnow())
+        rows = requeue_store.requeue_or_preview(conn, rule, selection, who, utcnow(), dry_run=dry_run)
     if as_json:
         print_json(
             {
