@@ -46,6 +46,7 @@ from delivery.grouped import GroupedJob
 from delivery.redact import redact
 from delivery.settings import settings
 from delivery.step import RecordStep, Send
+from delivery.storable import storable_text
 from delivery.store import catalog, chains, ledger
 from delivery.workers import Cut, Signals, work_through
 from delivery.writers.base import SecretReader, Writer, accepts_concurrency, token_for
@@ -355,7 +356,7 @@ class Chain:
             self.report.message = "chain cancelled" + (f" ({type(error).__name__})" if error is not None else "")
         elif error is not None:
             self.report.ended_by = ChainEnd.RULE_FAULT
-            self.report.message = redact(f"{type(error).__name__}: {error}", self._secret)
+            self.report.message = storable_text(redact(f"{type(error).__name__}: {error}", self._secret))
         elif self.report.ended_by is ChainEnd.CAUGHT_UP and not self.report.message:
             # Recorded with the chain too, so `delivery status` and the status artifact show it.
             counts = ", ".join(f"{n} {status}" for status, n in sorted(self.report.counts.items()) if n)

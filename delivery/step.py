@@ -19,6 +19,7 @@ from delivery.breaker import TargetBreaker
 from delivery.domain import Candidate, LedgerRow, LedgerStatus, Outcome, Phase, Rule, Verb
 from delivery.errors import RecordFault, RuleFault, TargetUnavailable, UnexpectedCandidate, UnsupportedDeliveryVerb
 from delivery.redact import redact
+from delivery.storable import storable_text
 from delivery.writers.base import Creates, Updates, Writer
 
 #: Written on a delivered row when a create may have been answered with an older body and the
@@ -144,7 +145,7 @@ class RecordStep:
         return policy.after_fault(
             row,
             fault,
-            message=redact(str(fault), self.secret)[:1000],
+            message=storable_text(redact(str(fault), self.secret))[:1000],
             max_attempts=self.rule.max_attempts,
             schedule=self.rule.retry_schedule_seconds,
             now=self.clock(),

@@ -28,10 +28,18 @@ def _non_finite_message(path: str, value: float) -> str:
 
 #: The widest external id `mirror_records.external_id` holds.
 EXTERNAL_ID_MAX = 500
+#: The widest remote id `ledger.remote_id` holds.
+REMOTE_ID_MAX = 500
 
 #: A NUL, or half of a UTF-16 surrogate pair standing alone (what a JSON "\ud800" escape, or an
 #: undecodable byte of a command-line argument, becomes in Python).
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable_text(value: str) -> str:
+    """`value` with every NUL and lone surrogate replaced by U+FFFD: for text a target wrote (an
+    error body quoted in `last_error`), which must be kept, not refused, on either database."""
+    return _UNSTORABLE.sub("\ufffd", value)
 
 
 def text_problem(value: str, max_length: int | None = None) -> str | None:
@@ -93,3 +101,17 @@ def mirror_input_problem(item: MirrorInput) -> str | None:
     if problem is not None:
         return f"'id' {problem}"
     return payload_problem(item.payload)
+
+
+def remote_id_problem(value: Any) -> str | None:
+    """Why a target's answer to a create does not address the record it made, or None: the id
+    must be a string with something in it, or an integer (JSON's NaN and Infinity, or a number
+    too large for a double, read as floats and are not ids), and one both databases store alike
+    (`text_problem`, at most `REMOTE_ID_MAX` characters). An id that fails is as good as none:
+    the record exists in the target and nothing can reach it."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return "is not a string or an integer"
+    text = str(value)
+    if not text.strip():
+        return "is blank"
+    return text_problem(text, REMOTE_ID_MAX)

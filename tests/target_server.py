@@ -32,7 +32,7 @@ __all__ = ["Answer", "AnswerKind", "RecordedRequest", "TargetServer"]
 
 API_PREFIX = "/api"
 
-AnswerKind = Literal["status", "timeout", "no_id", "not_json", "drop", "echo_headers", "bad_gzip"]
+AnswerKind = Literal["status", "timeout", "no_id", "not_json", "drop", "echo_headers", "bad_gzip", "raw"]
 
 #: What a ``bad_gzip`` answer sends under ``Content-Encoding: gzip``: not gzip at all.
 NOT_GZIP = b"this body claims to be gzip but is not"
@@ -72,6 +72,12 @@ class Answer:
         server committed), which idempotency handling must survive.
         """
         return cls(kind="timeout", seconds=seconds)
+
+    @classmethod
+    def raw(cls, code: int, body: bytes, content_type: str = "application/json") -> Answer:
+        """Reply ``code`` with exactly these bytes, storing nothing: answers no JSON encoder
+        would write (a raw NUL, NaN, an id of a type no API should send)."""
+        return cls(kind="raw", code=code, body=body, headers={"Content-Type": content_type})
 
     @classmethod
     def no_id(cls) -> Answer:
@@ -434,6 +440,9 @@ class TargetServer:
             return _Reply(code=success, body=b"ok", content_type="text/plain")
         if answer.kind == "drop":
             raise _Drop
+        if answer.kind == "raw":
+            assert answer.code is not None and answer.headers is not None
+            return _Reply(code=answer.code, body=answer.body, content_type=answer.headers["Content-Type"])
         if answer.kind == "echo_headers":
             assert answer.code is not None
             return _Reply.of_json(answer.code, {"error": f"scripted {answer.code}", "headers": headers})

@@ -23,6 +23,7 @@ from delivery.clock import utcnow
 from delivery.domain import Connection
 from delivery.errors import RecordRejected, RemoteGone, TargetUnavailable, Unaddressable, UnsendablePayload
 from delivery.redact import redact
+from delivery.storable import remote_id_problem
 from delivery.writers.base import Creates, Updates, Writer, token_for
 
 #: How much of a refusing target's body reaches `last_error`: enough to see the reason.
@@ -168,9 +169,10 @@ class _RestWriter(Writer):
         except ValueError as exc:
             raise Unaddressable(self._clean(f"POST {path}: HTTP {answer.status_code} answer is not JSON")) from exc
         remote_id = decoded.get(self.target.id_field) if isinstance(decoded, dict) else None
-        if remote_id is None or isinstance(remote_id, (dict, list, bool)) or str(remote_id) == "":
+        if remote_id is None or remote_id_problem(remote_id) is not None:
+            why = "" if remote_id is None else f" (it {remote_id_problem(remote_id)})"
             raise Unaddressable(
-                f"POST {path}: HTTP {answer.status_code} answer has no usable {self.target.id_field!r}: "
+                f"POST {path}: HTTP {answer.status_code} answer has no usable {self.target.id_field!r}{why}: "
                 f"{self._excerpt(answer)}"
             )
         return str(remote_id)

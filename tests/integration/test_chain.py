@@ -3,6 +3,7 @@ real local HTTP target: every row of the design's two fault tables, drain before
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -159,6 +160,45 @@ def test_unaddressable_create_is_exhausted_at_once(world: World, answer: Answer)
     world.make_due()
     world.run()
     assert world.target.count(world.key("a")) == 1
+
+
+#: 2xx answers to a create whose id addresses nothing, or that one database would store and the
+#: other refuse. Before: a lone surrogate, or (on PostgreSQL) a NUL or an id over 500 characters,
+#: failed the chain at the settle, on every tick, with the create sent again each time; on SQLite
+#: the NUL and the long id, and on both NaN/Infinity (as "nan"/"inf") and a blank id, were stored
+#: as the record's remote id.
+UNUSABLE_IDS = {
+    "lone-surrogate": b'{"id": "\\ud800"}',
+    "nul": b'{"id": "a\\u0000b"}',
+    "too-long": json.dumps({"id": "x" * 501}).encode(),
+    "infinity": b'{"id": 1e400}',
+    "nan": b'{"id": NaN}',
+    "blank": b'{"id": "  "}',
+    "float": b'{"id": 1.5}',
+}
+
+
+@pytest.mark.parametrize("body", UNUSABLE_IDS.values(), ids=UNUSABLE_IDS.keys())
+def test_a_create_answered_with_an_unusable_id_is_exhausted_and_the_rule_carries_on(world: World, body: bytes) -> None:
+    world.load("a", "b")
+    world.target.program(world.key("a"), Answer.raw(201, body))
+    result = world.run()
+    assert result["state"] == "COMPLETED", result
+    row = world.full_ledger_row("a")
+    assert row["status"] == "exhausted" and row["remote_id"] is None, row
+    assert "answer has no usable 'id' (it " in row["last_error"], row["last_error"]
+    assert world.ledger()["b"]["status"] == "delivered"
+
+
+def test_an_error_body_holding_a_nul_is_kept_in_last_error_on_both_databases(world: World) -> None:
+    """Before: PostgreSQL refused the settle (a NUL in text), which failed the chain on every tick."""
+    world.load("a", "b")
+    world.target.program(world.key("a"), Answer.raw(422, b"bad\x00field \xed\xa0\x80", "text/plain"))
+    result = world.run()
+    assert result["state"] == "COMPLETED", result
+    row = world.full_ledger_row("a")
+    assert row["status"] == "failed" and "bad\ufffdfield" in row["last_error"], row
+    assert world.ledger()["b"]["status"] == "delivered"
 
 
 def test_the_failure_that_reaches_max_attempts_exhausts(world: World) -> None:
