@@ -41,6 +41,7 @@ from delivery.domain import (
 from delivery.errors import (
     MissingCredential,
     MissingWriter,
+    UnusableCredential,
 )
 from delivery.grouped import GroupedJob
 from delivery.redact import redact
@@ -49,7 +50,7 @@ from delivery.step import RecordStep, Send
 from delivery.storable import storable_text
 from delivery.store import catalog, chains, ledger
 from delivery.workers import Cut, Signals, work_through
-from delivery.writers.base import SecretReader, Writer, accepts_concurrency, token_for
+from delivery.writers.base import SecretReader, Writer, accepts_concurrency, token_for, token_problem
 from delivery.writers.registry import find_writer
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,11 @@ class Chain:
             raise MissingCredential(rule.name, rule.target.name, block=block)
         if token is None and rule.target.token_env:
             raise MissingCredential(rule.name, rule.target.name, rule.target.token_env)
+        problem = None if token is None else token_problem(token)
+        if problem is not None:
+            named = rule.target.token_secret
+            source = f"the Prefect Secret block {named!r}" if named else f"${rule.target.token_env}"
+            raise UnusableCredential(rule.name, rule.target.name, source, problem)
         self._secret = token
         options: dict[str, Any] = {"token": token}
         if accepts_concurrency(writer_type):

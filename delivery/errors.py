@@ -10,9 +10,11 @@
     │   ├── UnsupportedDeliveryVerb       the writer's type lacks the verb the rule needs
     │   ├── LedgerRowConflict             a ledger row exists where the scan said there was none
     │   ├── UnexpectedCandidate           a mirror row the scan/drain should never have returned
-    │   └── MissingCredential             token_env names an unset variable, or token_secret a Prefect
-    │                                     Secret block that is missing or empty (ours, beyond the six:
-    │                                     every record would be refused alike)
+    │   ├── MissingCredential             token_env names an unset variable, or token_secret a Prefect
+    │   │                                 Secret block that is missing or empty (ours, beyond the six:
+    │   │                                 every record would be refused alike)
+    │   └── UnusableCredential            the token is there but no HTTP header can carry it (a line
+    │                                     break, a space, a character beyond ASCII)
     └── RecordFault                     parks one record in its ledger row; the job carries on
         ├── TargetUnavailable             timeout, connection error, 5xx, 429: counts for the breaker
         ├── RecordRejected                any other 4xx about this record
@@ -95,6 +97,12 @@ class MissingCredential(RuleFault):
         # Names where the token should come from, never a value.
         where = f"the Prefect Secret block {block!r}, {why}" if block is not None else f"${variable}, which is not set"
         super().__init__(f"rule {rule!r}: target {connection!r} takes its token from {where}")
+
+
+class UnusableCredential(RuleFault):
+    def __init__(self, rule: str, connection: str, source: str, why: str) -> None:
+        # Names where the token comes from and what is wrong with it, never the token.
+        super().__init__(f"rule {rule!r}: target {connection!r} takes its token from {source}, {why}")
 
 
 class RecordFault(DeliveryError):

@@ -5,6 +5,7 @@ are ABC mixins, checked with `issubclass`/`isinstance` at save time and at write
 from __future__ import annotations
 
 import inspect
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -91,3 +92,16 @@ def token_for(target: Connection, secrets: SecretReader | None = None) -> str | 
     if not target.token_env:
         return None
     return secret(target.token_env)
+
+
+#: What a bearer token may hold: printable ASCII, no spaces (an HTTP header value cannot carry
+#: other characters, and a space or a line break would change what the header says).
+_TOKEN_CHARS = re.compile(r"[\x21-\x7e]+")
+
+
+def token_problem(token: str) -> str | None:
+    """Why `token` cannot be sent as a bearer token, or None. Names no character of it: a token
+    pasted with a line break or a typographic character must fail loudly, not leak in a message."""
+    if _TOKEN_CHARS.fullmatch(token):
+        return None
+    return "which holds characters an HTTP header cannot carry (a token is printable ASCII, without spaces)"

@@ -165,6 +165,31 @@ def test_a_missing_block_fails_the_chain_missing_credential_naming_the_block(wor
     assert world.run()["counts"]["delivered"] == 1
 
 
+@pytest.mark.parametrize("bad", ["x\u00c5y", "ab\ncd", "ab cd"], ids=["beyond-ascii", "line-break", "space"])
+@pytest.mark.parametrize("source", ["block", "env"])
+def test_a_token_no_http_header_can_carry_fails_the_chain_unusable_credential_naming_where_not_what(
+    world: World, block: str, monkeypatch: pytest.MonkeyPatch, bad: str, source: str
+) -> None:
+    """Before: a token beyond ASCII failed the chain with a bare UnicodeEncodeError naming neither
+    the connection nor the variable; one with a line break parked every record failed ("Illegal
+    header value") and counted against the target's breaker."""
+    if source == "block":
+        save_block(block, bad)
+        where = f"the Prefect Secret block {block!r}"
+    else:
+        monkeypatch.setenv("CRM_TOKEN", bad)
+        world.apply(target={"token_env": "CRM_TOKEN", "token_secret": None})
+        where = "$CRM_TOKEN"
+    world.load("c-1")
+    result = world.run()
+    assert result["state"] == "FAILED" and result["ended_by"] == "rule_fault", result
+    assert result["message"].startswith("UnusableCredential: ") and where in result["message"], result
+    assert "HTTP header cannot carry" in result["message"]
+    assert run_state(result["flow_run_id"]).name == "UnusableCredential"
+    assert world.target.requests == [] and world.ledger() == {}  # nothing sent, nothing parked
+    assert bad not in result["message"] and bad not in everything_written(world.engine)
+
+
 def test_a_deleted_block_fails_the_next_chain_and_never_shows_the_old_value(world: World, block: str) -> None:
     save_block(block, FIRST)
     world.load("c-1")
