@@ -41,6 +41,15 @@ RULE = "rules:\n  - {name: r, source: shop, domain: contact, target: crm, collec
 CONNECTION = "connections:\n  - {name: crm, %s}\n"
 
 
+def rule_with(setting: str) -> str:
+    """RULE with `setting` in place of the rule line's own value for that key, if it has one (a
+    key given twice is refused before any value is looked at)."""
+    key = setting.split(":", 1)[0].strip()
+    line = RULE.split("{", 1)[1].split("%s", 1)[0]
+    kept = ", ".join(part for part in line.split(", ") if part and not part.startswith(f"{key}:"))
+    return f"rules:\n  - {{{kept}, {setting}}}\n"
+
+
 def problems_of(text: str) -> list[str]:
     with pytest.raises(ConfigError) as caught:
         parse_config(text)
@@ -214,7 +223,7 @@ def test_connection_without_name() -> None:
     ],
 )
 def test_wrong_types_in_a_rule(setting: str, path: str) -> None:
-    problems = problems_of(RULE % setting)
+    problems = problems_of(rule_with(setting))
     assert problems[0].startswith(path + ":"), problems
 
 
@@ -257,8 +266,7 @@ def test_sections_must_be_lists(text: str) -> None:
     ],
 )
 def test_bad_rule_values(setting: str, path: str) -> None:
-    # The rule line sets name first; a later `name:` in the flow mapping overrides it.
-    problems = problems_of(RULE % setting)
+    problems = problems_of(rule_with(setting))
     assert problems[0].startswith(path + ":"), problems
 
 
@@ -606,3 +614,31 @@ def test_check_text_refuses_a_config_built_without_the_file() -> None:
         check_text(config)
     assert caught.value.problems == [f"rules[0].domain: {NUL}"]
     check_text(parse_config(EXAMPLE))
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (
+            "connections:\n  - {name: shop}\nconnections:\n  - {name: crm}\n",
+            "line 3, column 1: the key 'connections' is given twice in one mapping (first at line 1)",
+        ),
+        ("connections:\n  - {name: shop, name: crm}\n", "the key 'name' is given twice in one mapping"),
+        ("rules: []\nconnections: []\nrules: []\n", "the key 'rules' is given twice"),
+    ],
+    ids=["top-level", "flow-mapping", "rules"],
+)
+def test_a_key_given_twice_is_refused_naming_it_and_its_line(text: str, problem: str) -> None:
+    """Before: PyYAML kept the last value and dropped the first without a word (a second
+    `connections:` lost every connection of the first, and apply said "created")."""
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text)
+    assert problem in str(caught.value)
+
+
+def test_a_merged_key_may_still_be_overridden() -> None:
+    text = (
+        "connections:\n  - &shop {name: shop}\n"
+        "  - <<: *shop\n    name: crm\n    driver: rest\n    base_url: 'http://127.0.0.1:9/api'\n"
+    )
+    assert [c.name for c in parse_config(text).connections] == ["shop", "crm"]
