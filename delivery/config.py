@@ -4,6 +4,7 @@ has no writer, or whose policy needs a verb the writer's type lacks, is refused.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
@@ -75,6 +76,9 @@ class ConnectionConfig(_Strict):
         )
 
 
+_COLLECTION_SEGMENT = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=@-]+")
+
+
 class RuleConfig(_Strict):
     name: Name
     source: Name
@@ -91,6 +95,20 @@ class RuleConfig(_Strict):
     fields: dict[str, str] | None = None
     enabled: bool = True
     concurrency: int = Field(default=1, ge=1, le=64)
+
+    @field_validator("collection")
+    @classmethod
+    def _collection_stays_under_the_base_url(cls, value: str) -> str:
+        # Joined to the base URL as a relative path: a `..` segment, a `%2e%2e` escape or a
+        # leading `/` would address a path outside it, and `name:` would read as a URL scheme.
+        for segment in value.split("/"):
+            if segment in ("", ".", "..") or not _COLLECTION_SEGMENT.fullmatch(segment):
+                raise ValueError(
+                    "must be one or more path segments under the base URL, separated by '/', of letters, "
+                    "digits and - . _ ~ ! $ & ' ( ) * + , ; = @ (no '.' or '..' segment, no '%' escape, "
+                    "no ':', no leading, trailing or double '/')"
+                )
+        return value
 
     @field_validator("fields")
     @classmethod

@@ -260,6 +260,15 @@ def test_sections_must_be_lists(text: str) -> None:
         ("collection: ''", "rules[0].collection"),
         ("collection: 'a b'", "rules[0].collection"),
         ("collection: 'a?b=1'", "rules[0].collection"),
+        # Before: accepted, and the writer posted outside the base URL (POST http://host/_faults).
+        ("collection: '../../_faults'", "rules[0].collection"),
+        ("collection: 'a/../b'", "rules[0].collection"),
+        ("collection: '%2e%2e'", "rules[0].collection"),
+        ("collection: '/abs'", "rules[0].collection"),
+        ("collection: 'a/'", "rules[0].collection"),
+        ("collection: 'a//b'", "rules[0].collection"),
+        ("collection: 'http:evil'", "rules[0].collection"),
+        ("collection: '.'", "rules[0].collection"),
         ("domain: ''", "rules[0].domain"),
         ("name: '-r'", "rules[0].name"),
         ("name: 'has space'", "rules[0].name"),
@@ -642,3 +651,8 @@ def test_a_merged_key_may_still_be_overridden() -> None:
         "  - <<: *shop\n    name: crm\n    driver: rest\n    base_url: 'http://127.0.0.1:9/api'\n"
     )
     assert [c.name for c in parse_config(text).connections] == ["shop", "crm"]
+
+
+@pytest.mark.parametrize("collection", ["contacts", "v2/contacts", "crm/v3/objects/contacts", "a.b_c-d~e", "people@x"])
+def test_collections_that_stay_under_the_base_url(collection: str) -> None:
+    assert parse_config(rule_with(f"collection: '{collection}'")).rules[0].collection == collection
