@@ -30,8 +30,15 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
-#: A number of seconds or minutes: NaN and infinity would turn a timeout or a wait into never.
-Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+# Bounded both ways: NaN and infinity would turn a timeout or a wait into never, a number too large
+# overflows where Prefect and the clock take it, and a wait step or batch timeout under a second
+# spins (Prefect's lock calls cannot answer that fast under load).
+#: Minutes without a heartbeat before a chain counts as dead: above 0, at most a week.
+DeadChainMinutes = Annotated[float, Field(gt=0, le=7 * 24 * 60, allow_inf_nan=False)]
+#: Seconds a job waits for the rule lock per step: 1 to 3,600.
+WaitStepSeconds = Annotated[float, Field(ge=1, le=3600, allow_inf_nan=False)]
+#: Seconds a batch may run: 1 to a day.
+BatchTimeoutSeconds = Annotated[float, Field(ge=1, le=86_400, allow_inf_nan=False)]
 
 
 class Settings(BaseSettings):
@@ -52,11 +59,11 @@ class Settings(BaseSettings):
     #: Out of the repr: the URL may carry a password.
     database_url: str = Field("sqlite:///delivery.db", repr=False)
     #: The tick judges a chain dead after this long without a heartbeat.
-    dead_chain_minutes: Positive = 15.0
+    dead_chain_minutes: DeadChainMinutes = 15.0
     #: How long a job waits for the rule lock before it looks for a dead holder to free it.
-    lock_wait_step_seconds: Positive = 15.0
+    lock_wait_step_seconds: WaitStepSeconds = 15.0
     #: A batch running longer fails the chain (a task timeout, no retry).
-    batch_timeout_seconds: Positive = 600.0
+    batch_timeout_seconds: BatchTimeoutSeconds = 600.0
 
     @field_validator("database_url")
     @classmethod
@@ -100,14 +107,15 @@ def _problem(error: Any) -> str:
     return f"{where}: {error['msg'].removeprefix('Value error, ')}"
 
 
-_POSITIVE: TypeAdapter[float] = TypeAdapter(Positive)
+_DEAD_CHAIN_MINUTES: TypeAdapter[float] = TypeAdapter(DeadChainMinutes)
 
 
 def positive(value: float, name: str) -> float:
-    """`value` checked as the positive settings are (above 0, neither NaN nor infinity), for a
-    command-line option or a flow parameter that overrides one of them; `name` heads the message."""
+    """`value` checked as `DELIVERY_DEAD_CHAIN_MINUTES` is (above 0, at most a week, neither NaN nor
+    infinity), for the command-line option or the flow parameter that overrides it; `name` heads
+    the message."""
     try:
-        return _POSITIVE.validate_python(value)
+        return _DEAD_CHAIN_MINUTES.validate_python(value)
     except ValidationError as exc:
         raise InputError(f"{name}: {exc.errors()[0]['msg']}") from None
 

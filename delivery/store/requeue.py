@@ -83,8 +83,13 @@ class Selection:
             _check_text("ids", external_id)
         if error_contains:
             _check_text("error_contains", error_contains)
-        if since is not None and since.tzinfo is None:
-            since = since.replace(tzinfo=UTC)  # a time with no zone is UTC, as everywhere else
+        if since is not None:
+            if since.tzinfo is None:
+                since = since.replace(tzinfo=UTC)  # a time with no zone is UTC, as everywhere else
+            try:
+                since = since.astimezone(UTC)  # as the database compares it
+            except OverflowError:
+                raise RequeueInputError("since", "falls outside the years 1 to 9999 once in UTC") from None
         return cls(tuple(chosen), tuple(external_ids or ()), error_contains or None, since)
 
     def as_json(self) -> dict[str, Any]:

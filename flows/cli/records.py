@@ -30,7 +30,9 @@ from flows.cli.output import (
 def show_ledger(
     rule: Annotated[str | None, typer.Option("--rule", help="Only this rule.")] = None,
     status: Annotated[LedgerStatus | None, typer.Option("--status", help="Only this status.")] = None,
-    limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many rows.")] = None,
+    limit: Annotated[
+        int | None, typer.Option("--limit", min=1, max=1_000_000_000, help="At most this many rows.")
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Ledger rows: one per (rule, record), with status, remote id, attempts, next attempt and last error."""
@@ -77,6 +79,7 @@ _REQUEUE_OPTIONS = {
     "error_contains": "--error-contains",
     "rule": "RULE",
     "by": "--by",
+    "since": "--since",
 }
 
 
@@ -107,7 +110,7 @@ def requeue_command(
     """Put parked records back: the selected rows become retries due now (attempts reset).
 
     A remote_gone row also loses its remote id, so the next chain creates the record again (with a new
-    Idempotency-Key). Every requeue is recorded; `delivery requeues` lists them."""
+    Idempotency-Key). Every requeue that puts a row back is recorded; `delivery requeues` lists them."""
     import getpass
 
     from delivery.clock import utcnow

@@ -173,7 +173,28 @@ def test_a_byte_that_is_not_utf8_in_any_argument_is_refused_naming_it_exit_2_not
     assert after == before
 
 
-@pytest.mark.parametrize(("value", "problem"), [("-1", "greater than 0"), ("0", "greater than 0"), ("nan", "finite")])
+def test_values_past_what_a_database_or_the_calendar_holds_are_refused_exit_2_nothing_written(
+    engine: sa.Engine, applied: Path
+) -> None:
+    """Before: tracebacks (exit 1) on both databases: a --since that leaves the years 1-9999 once
+    turned to UTC, and a --limit beyond a 64-bit integer."""
+    before = (table_rows(engine, ledger), table_rows(engine, requeues))
+    cases = [
+        (["requeue", RULE, "--since", "0001-01-01T00:00:00+05:00", "--dry-run"], "error: --since: falls outside"),
+        (["requeue", RULE, "--since", "9999-12-31T23:59:59-05:00"], "error: --since: falls outside the years 1"),
+        (["ledger", "--limit", "9223372036854775808"], "'--limit'"),
+    ]
+    started = [(args, fragment, spawn(*args, cwd=applied)) for args, fragment in cases]
+    for _, fragment, popen in started:
+        refused(finish(popen), fragment)
+    assert (table_rows(engine, ledger), table_rows(engine, requeues)) == before
+    ok(delivery("requeue", RULE, "--since", "0001-01-01", "--dry-run", cwd=applied))
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [("-1", "greater than 0"), ("0", "greater than 0"), ("nan", "finite"), ("1e300", "less than or equal to 10080")],
+)
 def test_tick_refuses_a_dead_after_minutes_that_would_judge_live_chains_dead(
     engine: sa.Engine, applied: Path, value: str, problem: str
 ) -> None:

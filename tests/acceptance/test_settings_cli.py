@@ -18,6 +18,13 @@ from tests.acceptance.test_cli import delivery, refused
         ("DELIVERY_BATCH_TIMEOUT_SECONDS", "abc", ["rules"]),
         ("DELIVERY_LOCK_WAIT_STEP_SECONDS", "0", ["run", "contacts-to-crm"]),
         ("DELIVERY_DEAD_CHAIN_MINUTES", "-5", ["tick"]),
+        # Before: taken, and then every chain failed as a rule fault (an OverflowError, Prefect's
+        # "generator didn't yield"), or a tiny wait step spun against Prefect's lock API for ever.
+        ("DELIVERY_DEAD_CHAIN_MINUTES", "1e300", ["tick"]),
+        ("DELIVERY_BATCH_TIMEOUT_SECONDS", "1e300", ["run", "contacts-to-crm"]),
+        ("DELIVERY_BATCH_TIMEOUT_SECONDS", "1e-300", ["run", "contacts-to-crm"]),
+        ("DELIVERY_LOCK_WAIT_STEP_SECONDS", "1e300", ["run", "contacts-to-crm"]),
+        ("DELIVERY_LOCK_WAIT_STEP_SECONDS", "1e-300", ["run", "contacts-to-crm"]),
     ],
 )
 def test_a_bad_setting_is_refused_before_any_command_runs(
