@@ -176,10 +176,10 @@ class Chain:
                 # The first job claims the rule; the cursor is read only now, under the lock,
                 # since a chain before this one may have moved it since we started.
                 if not chains.claim(conn, rule.id, self.token, self.started_at):
-                    return self._superseded(report)
+                    return self._superseded(report, conn)
                 self._claimed = True
             elif not chains.holds_fence(conn, rule.id, self.token):
-                return self._superseded(report)
+                return self._superseded(report, conn)
             # A chain holding the lock job after job retakes it the moment it lets go, while a
             # newer one waits in steps: without a handover a manual run would wait out the
             # whole older chain. The most recently started chain goes on, as in `claim`.
@@ -232,7 +232,7 @@ class Chain:
         if phase is Phase.SCAN and highest is not None:
             with self.engine.begin() as conn:
                 if not chains.holds_fence(conn, rule.id, self.token):
-                    return self._superseded(report)
+                    return self._superseded(report, conn)
                 report.cursor_after = chains.move_cursor(conn, rule.id, highest)
                 self.heartbeat(conn, every=0)
         self.report.add(report)
@@ -346,9 +346,22 @@ class Chain:
             self._beat_at = now
             chains.heartbeat(conn, self.token, self.clock())
 
-    def _superseded(self, report: BatchReport) -> BatchReport:
+    def _superseded(self, report: BatchReport, conn: sa.Connection | None = None) -> BatchReport:
+        """End the batch superseded; `conn`: the transaction the fence was found closed in, if open
+        (on SQLite a second connection would wait for its write lock)."""
         report.ended_by = ChainEnd.SUPERSEDED
-        report.message = f"chain superseded: another chain of rule {self.rule.name!r} took over"
+        # Whoever ended this chain's row said why (the tick: no heartbeat; apply: the rule moved);
+        # with no such word, a newer chain claimed the rule.
+        if conn is not None:
+            why = chains.ended_message(conn, self.token)
+        else:
+            with self.engine.connect() as own:
+                why = chains.ended_message(own, self.token)
+        report.message = (
+            f"chain superseded: {why.removeprefix('superseded: ')}"
+            if why
+            else (f"chain superseded: another chain of rule {self.rule.name!r} took over")
+        )
         self.report.add(report)
         return report
 

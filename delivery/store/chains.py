@@ -130,6 +130,13 @@ def supersede(conn: sa.Connection, rule_id: int, token: str, now: datetime, mess
 _HEARTBEAT = chains.update().where(chains.c.token == sa.bindparam("chain_token"))
 
 
+def ended_message(conn: sa.Connection, token: str) -> str | None:
+    """Why the chain `token` was ended by someone else (the tick judging it dead, `apply` moving
+    its rule), or None while it has not ended."""
+    row = conn.execute(sa.select(chains.c.ended_at, chains.c.message).where(chains.c.token == token)).one_or_none()
+    return None if row is None or row.ended_at is None else row.message
+
+
 def heartbeat(conn: sa.Connection, token: str, now: datetime) -> None:
     conn.execute(_HEARTBEAT, {"chain_token": token, "heartbeat_at": now})
 

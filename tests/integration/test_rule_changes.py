@@ -238,6 +238,12 @@ def test_a_chain_claimed_before_the_move_cannot_write_after_it(world: World) -> 
     assert len(world.target.requests) == sent
     assert rows(world.engine, ledger) == []
     assert world.rule_row()["cursor_changed_at"] is None
+    # The chain says why it stopped: the move, not "another chain took over" (there is none).
+    assert second.message.startswith("chain superseded: rule source/domain/target changed from"), second.message
+    chain.finish()
+    with world.engine.connect() as conn:
+        ended = conn.execute(sa.select(chains).where(chains.c.token == chain.token)).one()
+    assert "shop/lead -> crm" in ended.message and "took over" not in ended.message, ended.message
 
 
 def test_a_chain_started_before_the_move_but_not_yet_claimed_cannot_claim_after_it(world: World) -> None:
