@@ -109,8 +109,12 @@ def test_every_bad_variable_is_named_at_once_and_no_value_is_repeated(clean: pyt
         ("mysql://u:s3cret@db/x", "the engine runs on SQLite or PostgreSQL (psycopg), not 'mysql'"),
         ("postgresql+psycopg2://u:s3cret@db/x", "not 'postgresql+psycopg2'"),
         ("postgresql+asyncpg://u:s3cret@db/x", "not 'postgresql+asyncpg'"),
+        # Before: taken, and `delivery apply` said "created" while nothing outlived the command.
+        ("sqlite://", "an in-memory SQLite database lasts one process and keeps nothing"),
+        ("sqlite:///:memory:", "an in-memory SQLite database"),
+        ("sqlite:///file:s3cret?mode=memory&uri=true", "an in-memory SQLite database"),
     ],
-    ids=["garbage", "bad-port", "mysql", "psycopg2", "asyncpg"],
+    ids=["garbage", "bad-port", "mysql", "psycopg2", "asyncpg", "memory", "memory-name", "memory-uri"],
 )
 def test_a_database_url_the_engine_cannot_run_on_is_refused_without_repeating_it(
     clean: pytest.MonkeyPatch, url: str, problem: str
@@ -127,7 +131,6 @@ def test_a_database_url_the_engine_cannot_run_on_is_refused_without_repeating_it
     "url",
     [
         "sqlite:///delivery.db",
-        "sqlite://",
         "sqlite+pysqlite:////tmp/x.db",
         "postgres://u@h/d",
         "postgresql+psycopg://h/d",
