@@ -279,9 +279,10 @@ def check_rules(
         driver = known_connections[rule.target]
         writer = find_writer(driver)
         if writer is None:
+            has = "has no driver" if driver is None else f"has driver {driver!r}, which has no registered writer"
             problems.append(
-                f"{where}.target: rule {rule.name!r}: target {rule.target!r} has driver {driver!r}, which has no "
-                f"registered writer (registered: {', '.join(registered_drivers())})"
+                f"{where}.target: rule {rule.name!r}: target {rule.target!r} {has} "
+                f"(drivers with a writer: {', '.join(registered_drivers())})"
             )
             continue
         missing = sorted(rule.policy.verbs - verbs_of(writer))

@@ -64,7 +64,8 @@ class RuleFault(DeliveryError):
 
 class MissingWriter(RuleFault):
     def __init__(self, rule: str, driver: str | None) -> None:
-        super().__init__(f"rule {rule!r}: no writer is registered for target driver {driver!r}")
+        what = "the target has no driver" if driver is None else f"no writer is registered for target driver {driver!r}"
+        super().__init__(f"rule {rule!r}: {what}")
 
 
 class UnsupportedDeliveryVerb(RuleFault):
