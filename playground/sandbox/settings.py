@@ -70,8 +70,9 @@ class FaultSettings:
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be between 0 and 1, got {value}")
             setattr(self, name, value)
-        if _integer("latency_ms", self.latency_ms) < 0:
-            raise ValueError(f"latency_ms must be >= 0, got {self.latency_ms}")
+        # Bounded: asyncio.sleep overflows on a number this large, and no test wants a longer wait.
+        if not 0 <= _integer("latency_ms", self.latency_ms) <= 600_000:
+            raise ValueError(f"latency_ms must be between 0 and 600000 (10 minutes), got {self.latency_ms}")
         self.hang_seconds = _number("hang_seconds", self.hang_seconds)
         if self.hang_seconds < 0:
             raise ValueError(f"hang_seconds must be >= 0, got {self.hang_seconds}")

@@ -311,6 +311,7 @@ def test_the_rest_writer_sends_the_token(monkeypatch: pytest.MonkeyPatch) -> Non
         ("fail_rate", float("nan")),
         ("timeout_share", 2),
         ("latency_ms", -1),
+        ("latency_ms", 10**20),  # before: taken, and every request then failed in the sleep
         ("latency_ms", 1.5),
         ("hang_seconds", -1),
         ("port", 70000),
