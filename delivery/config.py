@@ -7,10 +7,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from delivery.domain import (
     BreakerSettings,
@@ -31,6 +31,21 @@ Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_yes_or_no_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # Lax pydantic reads `true` as 1 for a number: `timeout_seconds: true` would save 1 second.
+        annotation = cls.model_fields[info.field_name or ""].annotation
+        if get_origin(annotation) is list:
+            annotation, values = get_args(annotation)[0], value if isinstance(value, list) else [value]
+        else:
+            values = [value]
+        if get_origin(annotation) is Annotated:
+            annotation = get_args(annotation)[0]
+        if annotation in (int, float) and any(isinstance(item, bool) for item in values):
+            raise ValueError("must be a number, not true or false")
+        return value
 
 
 class BreakerConfig(_Strict):

@@ -658,3 +658,19 @@ def test_a_merged_key_may_still_be_overridden() -> None:
 @pytest.mark.parametrize("collection", ["contacts", "v2/contacts", "crm/v3/objects/contacts", "a.b_c-d~e", "people@x"])
 def test_collections_that_stay_under_the_base_url(collection: str) -> None:
     assert parse_config(rule_with(f"collection: '{collection}'")).rules[0].collection == collection
+
+
+@pytest.mark.parametrize(
+    ("text", "path"),
+    [
+        (CONNECTION % "driver: rest, base_url: 'http://127.0.0.1:9/api', timeout_seconds: true", "timeout_seconds"),
+        (CONNECTION % "breaker: {fail_max: false}", "breaker.fail_max"),
+        (RULE % "batch_size: true", "batch_size"),
+        (RULE % "retry_schedule_seconds: [60, true]", "retry_schedule_seconds"),
+    ],
+    ids=["timeout", "breaker", "batch-size", "schedule"],
+)
+def test_true_or_false_is_not_a_number(text: str, path: str) -> None:
+    """Before: lax pydantic read `true` as 1 (`timeout_seconds: true` saved a 1-second timeout)."""
+    problems = problems_of(text)
+    assert problems[0].endswith(f"{path}: must be a number, not true or false"), problems
