@@ -355,7 +355,8 @@ class Chain:
         if conn is not None:
             why = chains.ended_message(conn, self.token)
         else:
-            with self.engine.connect() as own:
+            # Read-only: on SQLite a write transaction would queue behind the newer chain's writes.
+            with self.engine.connect().execution_options(readonly=True) as own:
                 why = chains.ended_message(own, self.token)
         report.message = (
             f"chain superseded: {why.removeprefix('superseded: ')}"

@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, get_args, get_origin
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -37,6 +38,8 @@ class _Strict(BaseModel):
     def _no_yes_or_no_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
         # Lax pydantic reads `true` as 1 for a number: `timeout_seconds: true` would save 1 second.
         annotation = cls.model_fields[info.field_name or ""].annotation
+        if get_origin(annotation) in (Union, UnionType):  # an optional number: `float | None`
+            annotation = next(arg for arg in get_args(annotation) if arg is not type(None))
         if get_origin(annotation) is list:
             annotation, values = get_args(annotation)[0], value if isinstance(value, list) else [value]
         else:
@@ -91,7 +94,9 @@ class ConnectionConfig(_Strict):
         )
 
 
-_COLLECTION_SEGMENT = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=@-]+")
+#: A percent-escape that a server may decode into a dot, a slash or a backslash after the URL was
+#: checked: `%2e%2e` is `..` in disguise.
+_PATH_ESCAPE = re.compile(r"%(2e|2f|5c)", re.IGNORECASE)
 
 
 class RuleConfig(_Strict):
@@ -114,15 +119,18 @@ class RuleConfig(_Strict):
     @field_validator("collection")
     @classmethod
     def _collection_stays_under_the_base_url(cls, value: str) -> str:
-        # Joined to the base URL as a relative path: a `..` segment, a `%2e%2e` escape or a
-        # leading `/` would address a path outside it, and `name:` would read as a URL scheme.
-        for segment in value.split("/"):
-            if segment in ("", ".", "..") or not _COLLECTION_SEGMENT.fullmatch(segment):
-                raise ValueError(
-                    "must be one or more path segments under the base URL, separated by '/', of letters, "
-                    "digits and - . _ ~ ! $ & ' ( ) * + , ; = @ (no '.' or '..' segment, no '%' escape, "
-                    "no ':', no leading, trailing or double '/')"
-                )
+        # Joined to the base URL as a relative path (httpx drops one leading `/`): a `.` or `..`
+        # segment, or an escape a server decodes into one, would address a path outside it, and a
+        # first segment holding `:` would read as a URL scheme. Anything else a path may hold
+        # (`v1/records:batchCreate`, `My%20List`, `bücher`) is the target's business.
+        segments = value.removeprefix("/").split("/")
+        if any(segment in ("", ".", "..") for segment in segments) or "\\" in value or _PATH_ESCAPE.search(value):
+            raise ValueError(
+                "must stay under the base URL: path segments separated by '/', none empty, '.' or '..', "
+                "no backslash, no %2e, %2f or %5c escape"
+            )
+        if ":" in segments[0]:
+            raise ValueError("must not hold ':' in its first segment, which would read as a URL scheme")
         return value
 
     @field_validator("fields")

@@ -87,7 +87,7 @@ def database_url_problem(url: str) -> str | None:
         return f"not a database URL (expected {URL_FORMS})"
     backend, driver = parsed.get_backend_name(), parsed.drivername.partition("+")[2]
     if backend == "sqlite" and driver in ("", "pysqlite"):
-        if parsed.database in (None, "", ":memory:") or parsed.query.get("mode") == "memory":
+        if not parsed.database or ":memory:" in parsed.database or parsed.query.get("mode") == "memory":
             # Every command and every flow run is a process of its own: nothing would be kept.
             return f"an in-memory SQLite database lasts one process and keeps nothing (expected {URL_FORMS})"
         return None

@@ -83,15 +83,17 @@ SecretReader = Callable[[str], str | None]
 def token_for(target: Connection, secrets: SecretReader | None = None) -> str | None:
     """The bearer token for `target`, read now (when a chain starts), so it is never stored and a
     token changed at its source is used by the next chain: from the Prefect Secret block
-    `token_secret` names (through `secrets`), or from the environment variable `token_env` names.
-    None when the target takes no token, or when its token cannot be found."""
+    `token_secret` names (through `secrets`), or from the environment variable `token_env` names,
+    without surrounding whitespace. None when the target takes no token, or when its token cannot
+    be found or is blank."""
     if target.token_secret:
-        if secrets is None:
-            return None
-        return secrets(target.token_secret) or None
-    if not target.token_env:
+        token = secrets(target.token_secret) if secrets is not None else None
+    elif target.token_env:
+        token = secret(target.token_env)
+    else:
         return None
-    return secret(target.token_env)
+    # A token file or a pasted value often ends with a line break, which is never part of a token.
+    return (token.strip() or None) if token is not None else None
 
 
 #: What a bearer token may hold: printable ASCII, no spaces (an HTTP header value cannot carry

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
+from typing import get_args
 
 # isort: split
 # First, before the slower imports: on a `delivery serve` command line this takes SIGTERM and SIGINT
@@ -40,34 +42,47 @@ def _prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
-def _options_taking_a_value() -> set[str]:
+def _options_taking_a_value() -> tuple[set[str], set[str]]:
+    """The options that take a value, and those of them whose value is a path."""
     import typer.main
 
-    names: set[str] = set()
+    values: set[str] = set()
+    paths: set[str] = set()
     pending = [typer.main.get_command(app)]
     while pending:
         command = pending.pop()
         for param in command.params:
             if param.param_type_name == "option" and not getattr(param, "is_flag", False):
-                names.update(param.opts)
+                values.update(param.opts)
+                annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+                if annotation is Path or Path in get_args(annotation):
+                    paths.update(param.opts)
         pending.extend(getattr(command, "commands", {}).values())
-    return names
+    return values, paths
 
 
 def _check_arguments(args: list[str]) -> None:
     """A byte of the command line that is not UTF-8 reaches Python as a lone surrogate, which no
     database or target takes: refused here, naming the option or the argument's position, instead
-    of as a driver's traceback wherever the value first meets a database."""
+    of as a driver's traceback wherever the value first meets a database. Paths are exempt: the
+    file system takes the bytes back as they were (a file that exists, or the value of a path
+    option)."""
+    if not any(text_problem(arg) is not None for arg in args):
+        return
+    value_options, path_options = _options_taking_a_value()
     for number, arg in enumerate(args, start=1):
         if text_problem(arg) is None:
             continue
         before = args[number - 2] if number > 1 else ""
-        if arg.startswith("--") and "=" in arg:
-            where, arg = arg.split("=", 1)
-        elif before in _options_taking_a_value():
+        option, equals, value = arg.partition("=")
+        if arg.startswith("--") and equals and text_problem(option) is None:
+            where, arg = option, value
+        elif before in value_options:
             where = before
         else:
             where = f"argument {number}"
+        if where in path_options or (where.startswith("argument") and os.path.exists(arg)):
+            continue
         shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         raise InputError(f"{where}: '{shown}' is not UTF-8 text; names, ids and values must be")
 

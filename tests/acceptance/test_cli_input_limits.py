@@ -152,6 +152,7 @@ UNDECODABLE: list[tuple[list[str], str]] = [
     (["requeue", RULE, "--id=p\udcff"], "--id: 'p\\xff'"),
     (["requeues", "--rule", "é\udcff"], "--rule: 'é\\xff'"),
     (["mirror", "load", "--source", "sh\udcffop", "--domain", "contact", "x.jsonl"], "--source: 'sh\\xffop'"),
+    (["ledger", "--ru\udcffle=x"], "argument 2: '--ru\\xffle=x'"),
 ]
 
 
@@ -171,6 +172,9 @@ def test_a_byte_that_is_not_utf8_in_any_argument_is_refused_naming_it_exit_2_not
     assert not failures, "\n\n".join(failures)
     after = (table_rows(engine, rules), table_rows(engine, mirror_records), table_rows(engine, ledger))
     assert after == before
+    # A path is not text for a database: a file whose name is not UTF-8 is read as before.
+    (applied / "conf\udcff.jsonl").write_text('{"id": "kept", "payload": {"v": 7}}\n', encoding="utf-8")
+    ok(delivery("mirror", "load", "--source", "shop", "--domain", "contact", "conf\udcff.jsonl", cwd=applied))
 
 
 def test_values_past_what_a_database_or_the_calendar_holds_are_refused_exit_2_nothing_written(

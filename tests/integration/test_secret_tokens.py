@@ -165,6 +165,21 @@ def test_a_missing_block_fails_the_chain_missing_credential_naming_the_block(wor
     assert world.run()["counts"]["delivered"] == 1
 
 
+@pytest.mark.parametrize("source", ["block", "env"])
+def test_a_token_kept_with_a_trailing_line_break_is_used_without_it(
+    world: World, block: str, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    """A token file or a pasted Secret block often ends with a line break: it is not the token's."""
+    if source == "block":
+        save_block(block, f"{FIRST}\r\n")
+    else:
+        monkeypatch.setenv("CRM_TOKEN", f"  {FIRST}\n")
+        world.apply(target={"token_env": "CRM_TOKEN", "token_secret": None})
+    world.load("c-1")
+    result = world.run()
+    assert result["state"] == "COMPLETED" and result["counts"]["delivered"] == 1, result
+
+
 @pytest.mark.parametrize("bad", ["x\u00c5y", "ab\ncd", "ab cd"], ids=["beyond-ascii", "line-break", "space"])
 @pytest.mark.parametrize("source", ["block", "env"])
 def test_a_token_no_http_header_can_carry_fails_the_chain_unusable_credential_naming_where_not_what(

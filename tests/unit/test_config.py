@@ -264,7 +264,10 @@ def test_sections_must_be_lists(text: str) -> None:
         ("collection: '../../_faults'", "rules[0].collection"),
         ("collection: 'a/../b'", "rules[0].collection"),
         ("collection: '%2e%2e'", "rules[0].collection"),
-        ("collection: '/abs'", "rules[0].collection"),
+        ("collection: '//abs'", "rules[0].collection"),
+        ("collection: 'a/%2E%2e/b'", "rules[0].collection"),
+        ("collection: 'a%2fb'", "rules[0].collection"),
+        ("collection: 'a\\\\b'", "rules[0].collection"),
         ("collection: 'a/'", "rules[0].collection"),
         ("collection: 'a//b'", "rules[0].collection"),
         ("collection: 'http:evil'", "rules[0].collection"),
@@ -655,7 +658,20 @@ def test_a_merged_key_may_still_be_overridden() -> None:
     assert [c.name for c in parse_config(text).connections] == ["shop", "crm"]
 
 
-@pytest.mark.parametrize("collection", ["contacts", "v2/contacts", "crm/v3/objects/contacts", "a.b_c-d~e", "people@x"])
+@pytest.mark.parametrize(
+    "collection",
+    [
+        "contacts",
+        "/contacts",  # httpx drops the leading slash: the same path as "contacts"
+        "v2/contacts",
+        "crm/v3/objects/contacts",
+        "a.b_c-d~e",
+        "people@x",
+        "v1/records:batchCreate",
+        "lists/My%20List/items",
+        "kunden/bücher",
+    ],
+)
 def test_collections_that_stay_under_the_base_url(collection: str) -> None:
     assert parse_config(rule_with(f"collection: '{collection}'")).rules[0].collection == collection
 

@@ -113,8 +113,9 @@ def test_every_bad_variable_is_named_at_once_and_no_value_is_repeated(clean: pyt
         ("sqlite://", "an in-memory SQLite database lasts one process and keeps nothing"),
         ("sqlite:///:memory:", "an in-memory SQLite database"),
         ("sqlite:///file:s3cret?mode=memory&uri=true", "an in-memory SQLite database"),
+        ("sqlite:///file::memory:?uri=true", "an in-memory SQLite database"),
     ],
-    ids=["garbage", "bad-port", "mysql", "psycopg2", "asyncpg", "memory", "memory-name", "memory-uri"],
+    ids=["garbage", "bad-port", "mysql", "psycopg2", "asyncpg", "memory", "memory-name", "memory-uri", "memory-file"],
 )
 def test_a_database_url_the_engine_cannot_run_on_is_refused_without_repeating_it(
     clean: pytest.MonkeyPatch, url: str, problem: str
