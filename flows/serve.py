@@ -49,6 +49,17 @@ class ServerExited(RuntimeError):
     """The Prefect server we started exited before it answered."""
 
 
+#: One line at a time on stdout: the runner's thread and the main thread both print, and `print`
+#: writes a line's text and its newline separately, so two of them could interleave mid-line.
+_STDOUT = threading.Lock()
+
+
+def _say(line: str) -> None:
+    with _STDOUT:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
 def _start_server(port: int) -> subprocess.Popen[bytes]:
     # `prefect server start --port` does not tell its UI where the API is: the UI would call the
     # default port (4200) and show "Unable to connect". An operator's own PREFECT_UI_API_URL wins.
@@ -135,7 +146,7 @@ class _Serving:
             if not await _unless_stopped(self._register(runner), stop):
                 return
             self.registered = True
-            print("serving deliver-rule, delivery-requeue, delivery-tick (every 5 minutes); Ctrl-C stops", flush=True)
+            _say("serving deliver-rule, delivery-requeue, delivery-tick (every 5 minutes); Ctrl-C stops")
             started = asyncio.ensure_future(runner.start())
             stopping = asyncio.ensure_future(stop.wait())
             await asyncio.wait({started, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -236,7 +247,7 @@ def _forced_exit(server: subprocess.Popen[bytes] | None) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)
         server.wait()
-    print("stopped (forced)", flush=True)
+    _say("stopped (forced)")
     sys.stderr.flush()
     os._exit(0)
 
@@ -253,7 +264,7 @@ def serve_forever(port: int = 4200, stop: StopSignals | None = None) -> None:
             server = _start_server(port)
             if not _wait_healthy(api_url, server, stop):
                 return
-        print(f"Prefect UI: {api_url.removesuffix('/api')}  (API {api_url})", flush=True)
+        _say(f"Prefect UI: {api_url.removesuffix('/api')}  (API {api_url})")
         serving = _Serving(api_url)
         serving.start()
         stop.wait_until(serving.done, float("inf"), until_count=1, poll=1.0)
@@ -261,7 +272,7 @@ def serve_forever(port: int = 4200, stop: StopSignals | None = None) -> None:
             raise serving.error or RuntimeError("the Prefect runner stopped serving on its own")
     finally:
         if stop.requested:
-            print(stop.announcement(_phase(server, serving)), flush=True)
+            _say(stop.announcement(_phase(server, serving)))
         if serving is not None and not serving.done() and not _stop_serving(serving, stop):
             _forced_exit(server)
         if serving is not None and serving.error is not None and stop.requested:
@@ -269,4 +280,4 @@ def serve_forever(port: int = 4200, stop: StopSignals | None = None) -> None:
             sys.stderr.write(f"while stopping: {type(serving.error).__name__}: {serving.error}\n")
         if server is not None:
             _stop_server(server, stop)
-        print("stopped", flush=True)
+        _say("stopped")
