@@ -113,7 +113,7 @@ def _problem(error: Any) -> str:
 _DEAD_CHAIN_MINUTES: TypeAdapter[float] = TypeAdapter(DeadChainMinutes)
 
 
-def positive(value: float, name: str) -> float:
+def dead_chain_minutes(value: float, name: str) -> float:
     """`value` checked as `DELIVERY_DEAD_CHAIN_MINUTES` is (above 0, at most a week, neither NaN nor
     infinity), for the command-line option or the flow parameter that overrides it; `name` heads
     the message."""

@@ -34,7 +34,7 @@ from delivery import liveness
 from delivery.clock import utcnow
 from delivery.db import shared_engine
 from delivery.errors import InputError
-from delivery.settings import positive
+from delivery.settings import dead_chain_minutes
 from delivery.status import flat_rows, overview
 from delivery.tick import Launch, TickOutcome, attach_flow_run, dead_after, plan_tick, record_launch
 from flows.deliver_rule import deliver_rule
@@ -97,7 +97,7 @@ async def delivery_tick(dead_after_minutes: float | None = None) -> State[Any]:
     logger = get_run_logger()
     if dead_after_minutes is not None:
         try:
-            positive(dead_after_minutes, "dead_after_minutes")
+            dead_chain_minutes(dead_after_minutes, "dead_after_minutes")
         except InputError as exc:
             # NaN, 0 or a negative threshold would judge every live chain dead: nothing is done.
             logger.error("tick refused: %s", exc)

@@ -169,8 +169,9 @@ class _RestWriter(Writer):
         except ValueError as exc:
             raise Unaddressable(self._clean(f"POST {path}: HTTP {answer.status_code} answer is not JSON")) from exc
         remote_id = decoded.get(self.target.id_field) if isinstance(decoded, dict) else None
-        if remote_id is None or remote_id_problem(remote_id) is not None:
-            why = "" if remote_id is None else f" (it {remote_id_problem(remote_id)})"
+        problem = None if remote_id is None else remote_id_problem(remote_id)
+        if remote_id is None or problem is not None:
+            why = "" if problem is None else f" (it {problem})"
             raise Unaddressable(
                 f"POST {path}: HTTP {answer.status_code} answer has no usable {self.target.id_field!r}{why}: "
                 f"{self._excerpt(answer)}"

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from delivery.domain import LedgerStatus
-from delivery.settings import positive
+from delivery.settings import dead_chain_minutes
 from delivery.store import catalog
 from flows.cli.apps import app
 from flows.cli.output import (
@@ -78,7 +78,7 @@ def tick_command(
 
     if dead_after_minutes is not None:
         # NaN, 0 or a negative threshold would judge every live chain dead.
-        positive(dead_after_minutes, "--dead-after-minutes")
+        dead_chain_minutes(dead_after_minutes, "--dead-after-minutes")
     engine()  # a database that cannot be reached says so before a Prefect API starts for the tick
     result = run_tick(dead_after_minutes)
     if as_json:

@@ -24,9 +24,9 @@ from delivery import liveness
 from delivery.chain import Chain
 from delivery.clock import utcnow
 from delivery.store import chains, tables
-from flows.lock import LEASE_SECONDS, ensure_lock, release_lease, rule_lock
+from flows.lock import LEASE_SECONDS, release_lease, rule_lock
 from flows.prefect_private import acquire_lease
-from tests.conftest import unique
+from tests.integration.locks import own_rule_lock
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
 
@@ -39,11 +39,7 @@ def world(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
 @pytest.fixture
 def name(monkeypatch: pytest.MonkeyPatch) -> str:
     """A limit of this test's own, so that no other test's slot can be in the way."""
-    name = unique("delivery-rule-repair")
-    monkeypatch.setattr(flows.lock, "lock_name", lambda rule: name)
-    monkeypatch.setenv("DELIVERY_LOCK_WAIT_STEP_SECONDS", "1")
-    asyncio.run(ensure_lock(RULE))
-    return name
+    return own_rule_lock(monkeypatch, "delivery-rule-repair")
 
 
 def _take(name: str, timeout: float = 30) -> str:

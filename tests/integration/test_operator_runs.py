@@ -29,9 +29,9 @@ from delivery.store.breaker import DatabaseBreakerStorage
 from delivery.store.tables import breaker_states, connections, rules
 from flows.cli import app
 from flows.deliver_rule import deliver_rule, fault_state_name, records_artifact_key
-from flows.lock import LEASE_SECONDS, ensure_lock
+from flows.lock import LEASE_SECONDS
 from flows.prefect_private import acquire_lease
-from tests.conftest import unique
+from tests.integration.locks import own_rule_lock
 from tests.integration.runs import run_artifacts, run_logs, run_state
 from tests.integration.world import RULE, World
 from tests.target_server import Answer, TargetServer
@@ -187,11 +187,7 @@ def test_a_chain_that_leaves_nothing_behind_says_so(world: World) -> None:
 @pytest.fixture
 def lock(monkeypatch: pytest.MonkeyPatch) -> str:
     """A limit of this test's own, so that no other test's slot can be in the way."""
-    name = unique("delivery-rule-logs")
-    monkeypatch.setattr(flows.lock, "lock_name", lambda rule: name)
-    monkeypatch.setenv("DELIVERY_LOCK_WAIT_STEP_SECONDS", "1")
-    asyncio.run(ensure_lock(RULE))
-    return name
+    return own_rule_lock(monkeypatch, "delivery-rule-logs")
 
 
 def test_a_wait_for_the_rule_lock_and_the_repair_of_a_dead_holder_are_in_the_runs_log(world: World, lock: str) -> None:

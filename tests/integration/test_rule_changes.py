@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from delivery.store import catalog
 from delivery.store import chains as chains_store
 from delivery.store.mirror import load_records
 from delivery.store.tables import chains, connections, ledger, mirror_records, retired_ledger_rows, rules
+from tests.integration.locks import wait_for_a_lock_wait
 from tests.integration.world import RULE, World, email
 from tests.target_server import Answer, TargetServer
 
@@ -305,20 +305,6 @@ def _postgresql_only(db_url: str) -> None:
         pytest.skip("row locks are PostgreSQL's: on SQLite BEGIN IMMEDIATE serialises whole transactions")
 
 
-def _wait_for_a_lock_wait(engine: sa.Engine) -> None:
-    """Proof the two transactions overlapped: one of them is waiting on the other's row lock."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with engine.connect() as conn:
-            waiting = conn.exec_driver_sql(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
-            ).scalar_one()
-        if waiting:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the apply never waited on the other transaction")
-
-
 def _apply_in_thread(engine: sa.Engine, config: dict[str, Any]) -> tuple[threading.Thread, list[Any]]:
     results: list[Any] = []
 
@@ -359,7 +345,7 @@ def test_on_postgresql_a_move_waits_for_a_settle_in_flight_and_retires_its_row(w
             )
         )
         thread, results = _apply_in_thread(world.engine, world.config(rule={"domain": "lead"}))
-        _wait_for_a_lock_wait(world.engine)
+        wait_for_a_lock_wait(world.engine, "the apply")
         assert not results  # the move waits for the settle in flight...
         settle.commit()
     thread.join(10)
@@ -394,7 +380,7 @@ def test_on_postgresql_two_applies_of_one_move_retire_and_bump_the_epoch_once(wo
         first.begin()
         first_report = apply_config(first, parse_config(yaml.safe_dump(moved)))
         thread, results = _apply_in_thread(world.engine, moved)
-        _wait_for_a_lock_wait(world.engine)
+        wait_for_a_lock_wait(world.engine, "the apply")
         assert not results
         first.commit()
     thread.join(10)

@@ -24,6 +24,7 @@ from delivery.errors import TargetUnavailable
 from delivery.store import chains
 from delivery.store.breaker import DatabaseBreakerStorage
 from tests.integration.engine_events import Statements
+from tests.integration.locks import wait_for_a_lock_wait
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
 
@@ -216,19 +217,6 @@ def test_on_postgresql_settles_share_the_fence_and_a_supersede_waits_for_them(wo
     chain.finish()
 
 
-def _wait_for_a_lock_wait(engine: sa.Engine) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with engine.connect() as conn:
-            waiting = conn.exec_driver_sql(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
-            ).scalar_one()
-        if waiting:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the supersede never waited for the settle")
-
-
 @pytest.mark.postgres
 def test_on_postgresql_a_supersede_during_a_settle_waits_and_never_deadlocks(world: World, db_url: str) -> None:
     chain = _claimed_chain_on_postgresql(world, db_url)
@@ -251,7 +239,7 @@ def test_on_postgresql_a_supersede_during_a_settle_waits_and_never_deadlocks(wor
         assert chains.holds_fence_for_settle(settle, rule.id, chain.token, rule.target.id)[0]
         thread = threading.Thread(target=supersede)
         thread.start()
-        _wait_for_a_lock_wait(world.engine)  # the supersede waits on the rule row...
+        wait_for_a_lock_wait(world.engine, "the supersede")  # the supersede waits on the rule row...
         chains.heartbeat(settle, chain.token, utcnow())  # ...while the settle takes the chain row
         settle.commit()
         assert done.wait(10)

@@ -14,7 +14,7 @@ import pytest
 from delivery import db, tick
 from delivery.domain import Connection, ConnectionStatus
 from delivery.errors import InputError
-from delivery.settings import Settings, SettingsError, env_name, positive, secret, settings
+from delivery.settings import Settings, SettingsError, dead_chain_minutes, env_name, secret, settings
 from delivery.writers.base import token_for
 
 VARIABLES = {
@@ -145,12 +145,12 @@ def test_the_database_urls_the_engine_runs_on_are_taken(clean: pytest.MonkeyPatc
 @pytest.mark.parametrize(
     ("value", "problem"), [(0, "greater than 0"), (-1, "greater than 0"), (float("nan"), "finite")]
 )
-def test_positive_checks_an_override_as_the_variable_is_checked(value: float, problem: str) -> None:
+def test_dead_chain_minutes_checks_an_override_as_the_variable_is_checked(value: float, problem: str) -> None:
     with pytest.raises(InputError, match=f"^--dead-after-minutes: Input should be .*{problem}"):
-        positive(value, "--dead-after-minutes")
+        dead_chain_minutes(value, "--dead-after-minutes")
     with pytest.raises(InputError, match="finite"):
-        positive(float("inf"), "x")
-    assert positive(0.5, "--dead-after-minutes") == 0.5
+        dead_chain_minutes(float("inf"), "x")
+    assert dead_chain_minutes(0.5, "--dead-after-minutes") == 0.5
 
 
 def test_secret_reads_the_named_variable_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
