@@ -104,6 +104,15 @@ class TargetBreaker(pybreaker.CircuitBreaker):
         """See `DatabaseBreakerStorage.observe`."""
         return self.storage.observe(conn, row, mark)
 
+    def outage_until(self, now: datetime) -> datetime | None:
+        """Until when the target counts as down, read just after one of its failures: the end of
+        the cooldown while the breaker is open (it may have tripped on that very failure, or a
+        trial call after a cooldown may have failed) or half-open; None while it is closed."""
+        if self.current_state == pybreaker.STATE_CLOSED:
+            return None
+        until = reopens_at(self.storage.opened_at, self.reset_timeout)
+        return max(until, now) if until is not None else now + timedelta(seconds=self.reset_timeout)
+
     def open_until(self, now: datetime) -> datetime | None:
         """When an open breaker lets a trial call through; None when it is not open now."""
         if self.current_state != pybreaker.STATE_OPEN:

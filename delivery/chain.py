@@ -41,6 +41,7 @@ from delivery.domain import (
 from delivery.errors import (
     MissingCredential,
     MissingWriter,
+    Unauthorized,
     UnusableCredential,
 )
 from delivery.grouped import GroupedJob
@@ -50,7 +51,7 @@ from delivery.step import RecordStep, Send
 from delivery.storable import storable_text
 from delivery.store import catalog, chains, ledger
 from delivery.workers import Cut, Signals, work_through
-from delivery.writers.base import SecretReader, Writer, accepts_concurrency, token_for, token_problem
+from delivery.writers.base import SecretReader, Writer, accepts_concurrency, token_for, token_problem, token_source
 from delivery.writers.registry import find_writer
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class Chain:
         #: The workers' breakers, the chain's own first (see `_work`).
         self._lanes: list[TargetBreaker] = []
         self._secret: str | None = None
+        self._secrets: SecretReader | None = None
         self._beat_at = time.monotonic()
 
     # -- opening -------------------------------------------------------------------------------
@@ -121,9 +123,31 @@ class Chain:
         until = self._breaker.open_until(self.clock())
         if until is not None:
             return self._end(ChainEnd.BREAKER_OPEN, self._breaker_message(until))
+        self._secrets = secrets
+        self._equip(rule)
+        return None
+
+    def _equip(self, rule: Rule) -> None:
+        """The writer and the step for `rule`. The token is read when the chain opens, so a token
+        changed at its source counts from the next chain; read again only when a rule saved
+        mid-chain takes it from another variable or block."""
         writer_type = find_writer(rule.target.driver)
         if writer_type is None:
             raise MissingWriter(rule.name, rule.target.driver)
+        token = self._secret
+        if self._step is None or token_source(rule.target) != token_source(self.rule.target):
+            token = self._read_token(rule)
+        options: dict[str, Any] = {"token": token}
+        if accepts_concurrency(writer_type):
+            options["concurrency"] = rule.concurrency if writer_type.thread_safe else 1
+        writer = writer_type(rule.target, rule.collection, **options)
+        if self._writer is not None:
+            self._writer.close()
+        self.rule, self._secret, self._writer = rule, token, writer
+        self._step = RecordStep(rule, writer, token, self.clock)
+
+    def _read_token(self, rule: Rule) -> str | None:
+        secrets = self._secrets
         token = token_for(rule.target, secrets)
         if token is None and rule.target.token_secret:
             block = rule.target.token_secret
@@ -135,16 +159,21 @@ class Chain:
             raise MissingCredential(rule.name, rule.target.name, rule.target.token_env)
         problem = None if token is None else token_problem(token)
         if problem is not None:
-            named = rule.target.token_secret
-            source = f"the Prefect Secret block {named!r}" if named else f"${rule.target.token_env}"
-            raise UnusableCredential(rule.name, rule.target.name, source, problem)
-        self._secret = token
-        options: dict[str, Any] = {"token": token}
-        if accepts_concurrency(writer_type):
-            options["concurrency"] = rule.concurrency if writer_type.thread_safe else 1
-        self._writer = writer_type(rule.target, rule.collection, **options)
-        self._step = RecordStep(rule, self._writer, token, self.clock)
-        return None
+            raise UnusableCredential(rule.name, rule.target.name, token_source(rule.target) or "-", problem)
+        return token
+
+    def _adopt(self, saved: Rule) -> None:
+        """Take over a rule saved while this chain runs, from the job about to start (the job in
+        flight, if any, has ended: jobs of a chain run one after another). Everything a job reads
+        of the rule or its target comes from `self.rule` and the writer and step built for it, so
+        swapping them between jobs is safe. A change of route never reaches here: `delivery
+        apply` retires the rule's ledger and supersedes its chains, and the fence ends this one."""
+        log.info("rule %s: saved while its chain runs; its next job uses the saved rule", saved.name)
+        if saved.target.breaker != self.rule.target.breaker:
+            # Same target row, new thresholds: new breakers over the same shared state.
+            self._breaker = TargetBreaker(self.engine, saved, self._breaker_listeners)
+            self._lanes = [self._breaker]
+        self._equip(saved)
 
     @property
     def step(self) -> RecordStep:
@@ -205,11 +234,18 @@ class Chain:
                 self._cursor_read = True
                 self.report.cursor_before = self.report.cursor_after = fresh.cursor
                 self._scan_from = policy.scan_start(dataclasses.replace(rule, cursor=fresh.cursor))
+            # A rule saved since the last job (`delivery apply`) counts from this job on: its page
+            # is read with the saved batch size, and its records planned and sent by the saved
+            # rule (taken over below, once this transaction has ended).
+            saved = fresh if policy.rule_changed(rule, fresh) else None
+            rule = saved or rule
             self.heartbeat(conn, every=0)
             if phase is Phase.DRAIN:
                 candidates = ledger.drain_page(conn, rule, self.started_at, rule.batch_size)
             else:
                 candidates = ledger.scan_page(conn, rule, self._scan_from, rule.batch_size)
+        if saved is not None:
+            self._adopt(saved)
         attempted, ended = self._work(candidates, phase)
         for status in attempted:
             if status is not None:
@@ -288,26 +324,29 @@ class Chain:
         self.step.check(candidate, phase)
         plan = self.step.plan(candidate)
         intent: LedgerRow | None = None
-        if isinstance(plan, Send) and plan.verb is Verb.CREATE:
+        if isinstance(plan, Send):
             with self.engine.begin() as conn:
                 if not self._fenced(conn, breaker):
                     return Cut(ChainEnd.SUPERSEDED)
                 if signals.stop.is_set():
                     return None
-                intent = ledger.record_create_intent(conn, self.rule, candidate, plan.digest, self.clock())
+                intent = self.write_intent(conn, candidate, plan)
             if intent is None:
                 self.left_to_requeue(candidate, "meanwhile")
                 return None
-        done = self.step.carry_out(candidate, plan, intent, breaker)
+        try:
+            done = self.step.carry_out(candidate, plan, intent, breaker)
+        except Unauthorized:
+            self._withdraw(candidate, intent)  # refused before anything was applied
+            raise
         if done is None:
-            if intent is not None:
-                with self.engine.begin() as conn:
-                    ledger.withdraw_create_intent(conn, candidate.ledger, intent)
+            self._withdraw(candidate, intent)
             return Cut(ChainEnd.BREAKER_OPEN)
         candidate, outcome = done
         if signals.over.is_set():
-            # The job has ended (timeout, cancellation): nothing settles after it. A create's
-            # intent stays, and the next chain repeats the create under the same key. (A batch
+            # The job has ended (timeout, cancellation): nothing settles after it. The intent
+            # stays: the next chain repeats a create under the same key, and sends an update whatever
+            # its body, the row being in doubt. (A batch
             # merely cut short, by the breaker or another worker's fault, still settles the
             # answers of the calls in flight.)
             return None
@@ -321,6 +360,21 @@ class Chain:
                 return None
             self.heartbeat(conn)
         return outcome.status
+
+    def write_intent(self, conn: sa.Connection, candidate: Candidate, plan: Send) -> LedgerRow | None:
+        """What the ledger must say before `plan` goes out (see `ledger.record_create_intent` and
+        `ledger.record_update_intents`): the row as it now stands, or None when a requeue took it."""
+        if plan.verb is Verb.CREATE:
+            return ledger.record_create_intent(
+                conn, self.rule, candidate, plan.digest, self.clock(), follow_up=plan.follow_up
+            )
+        assert candidate.ledger is not None  # an update has a row holding the remote id
+        return ledger.record_update_intents(conn, [candidate.ledger])[0]
+
+    def _withdraw(self, candidate: Candidate, intent: LedgerRow | None) -> None:
+        if intent is not None and intent != candidate.ledger:
+            with self.engine.begin() as conn:
+                ledger.withdraw_intent(conn, candidate.ledger, intent)
 
     def left_to_requeue(self, candidate: Candidate, when: str) -> None:
         """A row whose version moved since the page was read: a requeue wrote it, and it stands."""

@@ -35,6 +35,15 @@ class SettleMode(enum.StrEnum):
     PER_RECORD = "per_record"
 
 
+class Forbidden(enum.StrEnum):
+    """What an HTTP 403 from a target means. Most APIs answer 403 when the token may not do what
+    was asked, which falls the same way for every record (`token`: a fault of the rule, like 401);
+    some answer 403 to refuse one record (`record`: that record's fault, parked like any refusal)."""
+
+    TOKEN = "token"
+    RECORD = "record"
+
+
 class Policy(enum.StrEnum):
     CREATE_AND_UPDATE = "create_and_update"
     CREATE_ONLY = "create_only"
@@ -130,6 +139,8 @@ class Connection:
     token_secret: str | None = None
     #: How chains delivering to this connection commit their ledger writes.
     settle: SettleMode = SettleMode.GROUPED
+    #: What a 403 from this target means.
+    forbidden: Forbidden = Forbidden.TOKEN
 
 
 @dataclass(frozen=True)
@@ -168,6 +179,7 @@ class ConnectionSpec:
     breaker: BreakerSettings
     token_secret: str | None = None
     settle: SettleMode = SettleMode.GROUPED
+    forbidden: Forbidden = Forbidden.TOKEN
 
 
 @dataclass(frozen=True)
@@ -232,6 +244,9 @@ class LedgerRow:
     create_generation: int
     version: int = 0
     create_fingerprint: str | None = None
+    #: A write may have reached the target without its answer being recorded: what the target
+    #: holds is unknown (see `delivery.policy.plan_write`).
+    in_doubt: bool = False
 
 
 @dataclass(frozen=True)
@@ -253,6 +268,9 @@ class Outcome:
     last_error: str | None = None
     fingerprint: str | None = None
     create_generation: int = 0
+    #: What the target holds is unknown after this attempt (its answer was not seen, or an
+    #: earlier write's never was).
+    in_doubt: bool = False
 
 
 @dataclass
@@ -267,6 +285,14 @@ class BatchReport:
     @property
     def empty(self) -> bool:
         return self.attempted == 0 and self.ended_by is None
+
+    def ends_phase(self, batch_size: int) -> bool:
+        """Whether no job of this phase follows this one: it ended the chain, or its page was the
+        phase's last. The drain's set is fixed by the chain's start (every row it attempts gets a
+        later time), so a short page is its last; the scan goes on until a page comes back empty."""
+        if self.ended_by is not None or self.attempted == 0:
+            return True
+        return self.phase is Phase.DRAIN and self.attempted < batch_size
 
 
 @dataclass

@@ -13,10 +13,13 @@
     │   ├── MissingCredential             token_env names an unset variable, or token_secret a Prefect
     │   │                                 Secret block that is missing or empty (ours, beyond the six:
     │   │                                 every record would be refused alike)
-    │   └── UnusableCredential            the token is there but no HTTP header can carry it (a line
-    │                                     break, a space, a character beyond ASCII)
+    │   ├── UnusableCredential            the token is there but no HTTP header can carry it (a line
+    │   │                                 break, a space, a character beyond ASCII)
+    │   └── Unauthorized                  the target refused the token: HTTP 401, or 403 unless the
+    │                                     connection says a 403 refuses one record
     └── RecordFault                     parks one record in its ledger row; the job carries on
-        ├── TargetUnavailable             timeout, connection error, 5xx, 429: counts for the breaker
+        ├── TargetUnavailable             timeout, connection error, 5xx, 429: counts for the breaker;
+        │                                 `outcome_unknown` when the write may have been applied
         ├── RecordRejected                any other 4xx about this record
         ├── RemoteGone                    an update answered 404/410
         ├── Unaddressable                 a create answered 2xx with no usable id
@@ -106,15 +109,40 @@ class UnusableCredential(RuleFault):
         super().__init__(f"rule {rule!r}: target {connection!r} takes its token from {source}, {why}")
 
 
+class Unauthorized(RuleFault):
+    """The target refused the credentials: every record of the rule would be refused alike, so the
+    chain ends and nothing is written for the record that met it (no attempt is spent)."""
+
+    def __init__(self, connection: str, source: str | None, answer: str, rule: str | None = None) -> None:
+        # Names the connection and where its token comes from, never the token.
+        self.connection, self.source, self.answer, self.rule = connection, source, answer, rule
+        token = f"its token from {source}" if source else "no token"
+        prefix = f"rule {rule!r}: " if rule else ""
+        super().__init__(
+            f"{prefix}target {connection!r} refused the credentials ({answer}); it takes {token}: "
+            "check the token and its permissions"
+        )
+
+    def for_rule(self, rule: str) -> Unauthorized:
+        return Unauthorized(self.connection, self.source, self.answer, rule)
+
+
 class RecordFault(DeliveryError):
     """A fault of one record: written to its ledger row, and the job carries on."""
 
 
 class TargetUnavailable(RecordFault):
-    """The target did not take the write for a reason that passes (and that trips the breaker)."""
+    """The target did not take the write for a reason that passes (and that trips the breaker).
 
-    def __init__(self, message: str, retry_after_seconds: float | None = None) -> None:
+    `outcome_unknown`: the write may have been applied all the same (the request may have reached
+    the target and no answer saying otherwise was read: a timeout or a connection lost after
+    sending, a 500 or a gateway's 502/504). Unknown unless the writer knows better, since assuming
+    "not applied" wrongly leaves the target stale for good, while the other mistake costs one
+    write that changes nothing."""
+
+    def __init__(self, message: str, retry_after_seconds: float | None = None, *, outcome_unknown: bool = True) -> None:
         self.retry_after_seconds = retry_after_seconds
+        self.outcome_unknown = outcome_unknown
         super().__init__(message)
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from delivery.breaker import TargetBreaker
 from delivery.domain import Candidate, ChainEnd, LedgerRow, LedgerStatus, Outcome, Phase, Verb
-from delivery.errors import LedgerRowConflict
+from delivery.errors import LedgerRowConflict, Unauthorized
 from delivery.settle import GROUP_RECORDS, SettleGroups
 from delivery.step import Send
 from delivery.store import ledger
@@ -46,7 +46,7 @@ class GroupedJob:
         self.lanes = lanes
         self.phase = phase
         self.plans: dict[int, Outcome | Send] = {}
-        #: A create's intent row, by index; None where a requeue took the row first.
+        #: A write's intent row (`Chain.write_intent`), by index; None where a requeue took the row first.
         self.intents: dict[int, LedgerRow | None] = {}
         #: Indices whose request may have gone out: their intents stay whatever happens next.
         self.sent: set[int] = set()
@@ -60,7 +60,7 @@ class GroupedJob:
         not attempted) and the cuts that ended it early. A fault raised by one record (a rule
         fault, a writer's bug) still commits the outcomes gathered before it (nothing is rolled
         back); a job interrupted (a timeout, a cancellation) commits no outcome more, and its
-        records are sent again by the next chain. Either way the intents of creates never sent are
+        records are sent again by the next chain. Either way the intents of writes never sent are
         taken back."""
         signals = Signals()
 
@@ -125,13 +125,16 @@ class GroupedJob:
         if isinstance(plan, Send):
             if signals.stop.is_set():
                 return None  # the batch is cut short: no call starts after that
-            if plan.verb is Verb.CREATE:
-                intent = self.intents[index]
-                if intent is None:
-                    self.chain.left_to_requeue(candidate, "meanwhile")
-                    return None
-                self.sent.add(index)
-        done = self.chain.step.carry_out(candidate, plan, intent, breaker)
+            intent = self.intents[index]
+            if intent is None:
+                self.chain.left_to_requeue(candidate, "meanwhile")
+                return None
+            self.sent.add(index)
+        try:
+            done = self.chain.step.carry_out(candidate, plan, intent, breaker)
+        except Unauthorized:
+            self.sent.discard(index)  # refused before anything was applied: its intent goes back
+            raise
         if done is None:
             self.sent.discard(index)
             return Cut(ChainEnd.BREAKER_OPEN)
@@ -142,27 +145,32 @@ class GroupedJob:
         return None
 
     def _prepare_window(self, window: int) -> None:
-        """Check and plan a window's candidates, and commit its creates' intents in one
-        transaction: a conflicting ledger row is found here, before any of them is sent."""
+        """Check and plan a window's candidates, and commit their intents (creates' keys and
+        bodies, updates' doubt) in one transaction: a conflicting ledger row is found here, before
+        any of them is sent."""
         chain, step = self.chain, self.chain.step
         indices = range(window * GROUP_RECORDS, min((window + 1) * GROUP_RECORDS, len(self.candidates)))
         creates: list[int] = []
+        updates: list[int] = []
         for i in indices:
             step.check(self.candidates[i], self.phase)
             plan = self.plans[i] = step.plan(self.candidates[i])
-            if isinstance(plan, Send) and plan.verb is Verb.CREATE:
-                creates.append(i)
-        if creates:
+            if isinstance(plan, Send):
+                (creates if plan.verb is Verb.CREATE else updates).append(i)
+        if creates or updates:
             intents: dict[int, LedgerRow | None] = {}
             with chain.engine.begin() as conn:
                 if not chain.fenced_lanes(conn, self.lanes):
                     self.superseded = True
                     return
-                now = chain.clock()
                 for i in creates:
                     plan = self.plans[i]
                     assert isinstance(plan, Send)
-                    intents[i] = ledger.record_create_intent(conn, chain.rule, self.candidates[i], plan.digest, now)
+                    intents[i] = chain.write_intent(conn, self.candidates[i], plan)
+                # One statement for the updates' doubt: a window may hold fifty of them.
+                rows = [self.candidates[i].ledger for i in updates]
+                marked = ledger.record_update_intents(conn, [row for row in rows if row is not None])
+                intents.update(zip(updates, marked, strict=True))
             self.intents.update(intents)  # only once committed: a rolled-back intent is no row to take back
         self.windows.add(window)
 
@@ -206,11 +214,15 @@ class GroupedJob:
         try:
             self._withdraw_unsent()
         except Exception:
-            log.exception("rule %s: could not take back the intents of creates never sent", self.chain.rule.name)
+            log.exception("rule %s: could not take back the intents of writes never sent", self.chain.rule.name)
 
     def _withdraw_unsent(self) -> None:
-        """Take back the intents of creates the batch never sent (it was cut short)."""
-        unsent = [(i, row) for i, row in self.intents.items() if row is not None and i not in self.sent]
+        """Take back the intents of writes the batch never sent (it was cut short)."""
+        unsent = [
+            (i, row)
+            for i, row in self.intents.items()
+            if row is not None and i not in self.sent and row != self.candidates[i].ledger
+        ]
         if not unsent:
             return
         chain = self.chain
@@ -218,4 +230,4 @@ class GroupedJob:
             if not chain.fenced_lanes(conn, self.lanes):
                 return
             for i, row in unsent:
-                ledger.withdraw_create_intent(conn, self.candidates[i].ledger, row)
+                ledger.withdraw_intent(conn, self.candidates[i].ledger, row)

@@ -4,6 +4,7 @@ is tried next."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -59,6 +60,23 @@ def closed_connection(rule: Rule) -> tuple[str, Connection] | None:
     return None
 
 
+def rule_changed(running: Rule, saved: Rule) -> bool:
+    """Whether `saved` (the rule as the database holds it now) differs from the rule a chain runs
+    by in anything a job reads: policy, fields, collection, limits, retry schedule, batch size,
+    concurrency, or its target's settings (timeout, token source, settle mode, breaker...). The
+    cursor is the chain's own business, and the connections' statuses the gate's."""
+
+    def settings_of(rule: Rule) -> Rule:
+        return dataclasses.replace(
+            rule,
+            cursor=None,
+            source=dataclasses.replace(rule.source, status=ConnectionStatus.ACTIVE),
+            target=dataclasses.replace(rule.target, status=ConnectionStatus.ACTIVE),
+        )
+
+    return settings_of(running) != settings_of(saved)
+
+
 def scan_start(rule: Rule) -> Cursor | None:
     """Where a chain's scan begins: the cursor less the overlap window, which catches changes that
     committed late with a change signal just behind the cursor."""
@@ -82,9 +100,22 @@ def create_may_be_a_replay(row: LedgerRow | None, digest: str) -> bool:
     before those digests were kept that has been attempted already cannot tell, so it counts too."""
     if row is None or row.remote_id:
         return False
+    if row.in_doubt:
+        # A follow-up update may have gone out after an earlier replay, its answer never seen:
+        # the target may hold that update's body, whatever the key's first body was.
+        return True
     if row.create_fingerprint is None:
         return row.attempts > 0
     return row.create_fingerprint != digest
+
+
+def identical_to_delivered(row: LedgerRow | None, digest: str) -> bool:
+    """Whether an update carrying the body `digest` would change nothing in the target, so it is
+    suppressed: only when the target's last answer for the record confirmed that very body. A row
+    in doubt (a write went out whose answer was never recorded: a timeout, a connection lost after
+    sending, a cut or a crash between send and settle) proves nothing about what the target holds,
+    and its next offer is sent whatever its body."""
+    return row is not None and not row.in_doubt and row.fingerprint == digest
 
 
 def next_attempt_at(
@@ -138,12 +169,14 @@ def parked(row: LedgerRow | None, status: LedgerStatus, **changes: Any) -> Outco
         "remote_id": row.remote_id if row else None,
         "fingerprint": row.fingerprint if row else None,
         "create_generation": row.create_generation if row else 0,
+        "in_doubt": row.in_doubt if row else False,
     }
     return Outcome(status, **{**kept, **changes})
 
 
 def delivered(row: LedgerRow | None, remote_id: str | None, digest: str, note: str | None = None) -> Outcome:
-    """The target took the write: attempts reset, the error cleared (or a `note` kept)."""
+    """The target took the write and said so: attempts reset, the error cleared (or a `note` kept),
+    and what it holds known again."""
     return Outcome(
         LedgerStatus.DELIVERED,
         remote_id=remote_id,
@@ -162,12 +195,22 @@ def after_fault(
     schedule: Sequence[int],
     now: datetime,
     remote_id: str | None = None,
+    unknown: bool = False,
+    outage_until: datetime | None = None,
 ) -> Outcome:
     """Where a record fault puts the record's ledger row (ADR-0029). `message` is the fault as the
     row will show it (already cut and cleaned of secrets); `remote_id` is an id the write got
-    before failing (a create whose follow-up update failed), kept so the next attempt updates it."""
+    before failing (a create whose follow-up update failed), kept so the next attempt updates it.
+    `unknown`: the write may have been applied (its answer was not seen), so the row is in doubt.
+
+    `outage_until`: the fault is the target's and its breaker is open after it (it tripped on this
+    very failure, or this was the trial call after a cooldown), until then at the earliest. An
+    outage never spends a record's last attempt: the record stays failed, due once the cooldown has
+    passed, so a target coming back finds it still in play rather than parked for a person."""
     attempts = (row.attempts if row else 0) + 1
     kept: dict[str, Any] = {}
+    if unknown:
+        kept["in_doubt"] = True
     if remote_id is not None:
         kept["remote_id"] = remote_id
         if row is None or row.remote_id != remote_id:
@@ -180,7 +223,12 @@ def after_fault(
         return parked(row, LedgerStatus.EXHAUSTED, attempts=attempts, last_error=message, **kept)
     if not isinstance(fault, (TargetUnavailable, RecordRejected)):
         raise TypeError(f"no outcome is defined for {type(fault).__name__}")
-    if attempts >= max_attempts:
+    retry_after = fault.retry_after_seconds if isinstance(fault, TargetUnavailable) else None
+    not_before = now
+    if outage_until is not None and isinstance(fault, TargetUnavailable):
+        attempts = min(attempts, max(max_attempts - 1, 0))
+        not_before = outage_until
+    elif attempts >= max_attempts:
         return parked(
             row,
             LedgerStatus.EXHAUSTED,
@@ -188,12 +236,11 @@ def after_fault(
             last_error=f"gave up after {attempts} attempt{'' if attempts == 1 else 's'}: {message}",
             **kept,
         )
-    retry_after = fault.retry_after_seconds if isinstance(fault, TargetUnavailable) else None
     return parked(
         row,
         LedgerStatus.FAILED,
         attempts=attempts,
-        next_attempt_at=next_attempt_at(now, attempts, schedule, retry_after),
+        next_attempt_at=max(next_attempt_at(now, attempts, schedule, retry_after), not_before),
         last_error=message,
         **kept,
     )

@@ -17,7 +17,14 @@ import pybreaker
 from delivery import policy
 from delivery.breaker import TargetBreaker
 from delivery.domain import Candidate, LedgerRow, LedgerStatus, Outcome, Phase, Rule, Verb
-from delivery.errors import RecordFault, RuleFault, TargetUnavailable, UnexpectedCandidate, UnsupportedDeliveryVerb
+from delivery.errors import (
+    RecordFault,
+    RuleFault,
+    TargetUnavailable,
+    Unauthorized,
+    UnexpectedCandidate,
+    UnsupportedDeliveryVerb,
+)
 from delivery.redact import redact
 from delivery.storable import storable_text
 from delivery.writers.base import Creates, Updates, Writer
@@ -32,11 +39,14 @@ REPLAY_NOT_UPDATABLE = (
 
 @dataclasses.dataclass(frozen=True)
 class Send:
-    """A write to make: the verb, the mapped body and its digest."""
+    """A write to make: the verb, the mapped body and its digest. `follow_up`: a create that may
+    be answered with an older body under its key (`policy.create_may_be_a_replay`), to be followed
+    by an update with this body."""
 
     verb: Verb
     body: dict[str, Any]
     digest: str
+    follow_up: bool = False
 
 
 class RecordStep:
@@ -85,9 +95,9 @@ class RecordStep:
             return policy.parked(row, LedgerStatus.SUPPRESSED, last_error=excluded)
         body = policy.map_payload(record.payload, rule.fields)
         digest = policy.fingerprint(body)
-        if verb is Verb.UPDATE and row is not None and row.fingerprint == digest:
+        if verb is Verb.UPDATE and policy.identical_to_delivered(row, digest):
             return policy.parked(row, LedgerStatus.SUPPRESSED, last_error="identical to what was last delivered")
-        return Send(verb, body, digest)
+        return Send(verb, body, digest, follow_up=verb is Verb.CREATE and policy.create_may_be_a_replay(row, digest))
 
     def carry_out(
         self, candidate: Candidate, plan: Outcome | Send, intent: LedgerRow | None, breaker: TargetBreaker
@@ -105,10 +115,16 @@ class RecordStep:
     def send(
         self, candidate: Candidate, plan: Send, intent: LedgerRow | None, breaker: TargetBreaker
     ) -> Outcome | None:
-        """Make the write; the outcome it leads to, or None when the breaker refused the call."""
-        rule, record, row = self.rule, candidate.record, intent or candidate.ledger
+        """Make the write; the outcome it leads to, or None when the breaker refused the call.
+        The outcome is reckoned from the row as the page read it: the intent written before the
+        send (the candidate then carries it, for the settle's version check) is no outcome."""
+        rule, record, row = self.rule, candidate.record, candidate.ledger
         writer = self.writer
         remote_id = row.remote_id if row else None
+        #: Whether the call that failed, if one did, may have changed the record's body in the
+        #: target (an update, or a replayed create's follow-up): a create alone leaves the key's
+        #: first body, which the row's create_fingerprint knows already.
+        updating = plan.verb is Verb.UPDATE
         try:
             if plan.verb is Verb.CREATE:
                 if not isinstance(writer, Creates):
@@ -116,12 +132,13 @@ class RecordStep:
                 generation = row.create_generation if row else 0
                 key = policy.idempotency_key(rule.name, record.external_id, generation, rule.key_epoch)
                 remote_id = breaker.call(writer.create, plan.body, key)
-                if policy.create_may_be_a_replay(candidate.ledger, plan.digest):
+                if plan.follow_up:
                     # The same key may have carried an older body before (a crash before the
                     # settle, a timeout after the target took it): a target that honours the key
                     # answers with the record it made then and keeps that body. Make it ours.
                     if not isinstance(writer, Updates):
                         return policy.delivered(row, remote_id, plan.digest, note=REPLAY_NOT_UPDATABLE)
+                    updating = True
                     breaker.call(writer.update, remote_id, plan.body)
             else:
                 if not isinstance(writer, Updates):
@@ -132,22 +149,38 @@ class RecordStep:
             if plan.verb is Verb.CREATE and remote_id is not None:
                 # The create went through and the follow-up update was refused: keep the id, and
                 # no fingerprint, so the next attempt updates.
-                refused = TargetUnavailable("breaker open before the follow-up update")
-                return self._after(row, refused, remote_id)
+                refused = TargetUnavailable("breaker open before the follow-up update", outcome_unknown=False)
+                return self._after(row, refused, remote_id, breaker)
             return None
+        except Unauthorized as fault:
+            raise fault.for_rule(rule.name) from fault
         except RuleFault:
             raise
         except RecordFault as fault:
-            return self._after(row, fault, remote_id)
+            unknown = updating and isinstance(fault, TargetUnavailable) and fault.outcome_unknown
+            return self._after(row, fault, remote_id, breaker, unknown=unknown)
         return policy.delivered(row, remote_id, plan.digest)
 
-    def _after(self, row: LedgerRow | None, fault: RecordFault, remote_id: str | None) -> Outcome:
+    def _after(
+        self,
+        row: LedgerRow | None,
+        fault: RecordFault,
+        remote_id: str | None,
+        breaker: TargetBreaker,
+        *,
+        unknown: bool = False,
+    ) -> Outcome:
+        now = self.clock()
+        # Read only after the target's own failures: whether it is down now, the cooldown's end.
+        outage_until = breaker.outage_until(now) if isinstance(fault, TargetUnavailable) else None
         return policy.after_fault(
             row,
             fault,
             message=storable_text(redact(str(fault), self.secret))[:1000],
             max_attempts=self.rule.max_attempts,
             schedule=self.rule.retry_schedule_seconds,
-            now=self.clock(),
+            now=now,
             remote_id=remote_id,
+            unknown=unknown,
+            outage_until=outage_until,
         )

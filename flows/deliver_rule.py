@@ -91,12 +91,8 @@ async def _run_phase(token: str, phase: Phase) -> ChainEnd | None:
         async with rule_lock(chain, _run_loggers.get(token)):  # one job of the rule at a time; waiting writes nothing
             report = batch.with_options(task_run_name=f"{phase.value}-batch-{number}")(token, phase)
         logger.info("%s batch %d: %d attempted %s", phase.value, number, report.attempted, dict(report.counts))
-        if report.ended_by is not None:
+        if report.ends_phase(chain.rule.batch_size):
             return report.ended_by
-        # The drain's set is fixed by the chain's start (every row it attempts gets a later
-        # time), so a short page is its last; the scan goes on until a page comes back empty.
-        if report.attempted == 0 or (phase is Phase.DRAIN and report.attempted < chain.rule.batch_size):
-            return None
 
 
 async def _run_subflow(token: str, phase: Phase) -> ChainEnd | State[Any] | None:

@@ -17,6 +17,7 @@ from delivery.domain import (
     ConnectionSpec,
     ConnectionStatus,
     Cursor,
+    Forbidden,
     Policy,
     Rule,
     RuleSpec,
@@ -41,6 +42,7 @@ def connection_from_row(row: Any) -> Connection:
         breaker=BreakerSettings(row.breaker_fail_max, row.breaker_reset_seconds),
         token_secret=row.token_secret,
         settle=SettleMode(row.settle),
+        forbidden=Forbidden(row.forbidden),
     )
 
 
@@ -281,6 +283,7 @@ def save_config(
             "token_env": c.token_env,
             "token_secret": c.token_secret,
             "settle": c.settle.value,
+            "forbidden": c.forbidden.value,
             "timeout_seconds": c.timeout_seconds,
             "id_field": c.id_field,
             "breaker_fail_max": c.breaker.fail_max,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -45,6 +46,7 @@ def _candidate(row: Any) -> Candidate:
             create_generation=row.l_create_generation,
             version=row.l_version,
             create_fingerprint=row.l_create_fingerprint,
+            in_doubt=row.l_in_doubt,
         )
     return Candidate(record, row_ledger)
 
@@ -122,13 +124,15 @@ def _insert(conn: sa.Connection, rule: Rule, candidate: Candidate, values: dict[
 
 
 def record_create_intent(
-    conn: sa.Connection, rule: Rule, candidate: Candidate, digest: str, now: datetime
+    conn: sa.Connection, rule: Rule, candidate: Candidate, digest: str, now: datetime, *, follow_up: bool = False
 ) -> LedgerRow | None:
     """Before a create goes out: remember the digest of the first body sent under the row's key,
     and make sure a row exists, so a crash before the settle leaves a due retry (the drain's) and
-    not a record nobody knows was sent. A row the scan did not see raises `LedgerRowConflict`
-    here, before any request. Returns the row as it now stands, or None when its version moved
-    since the page was read (a requeue got there first: the row is the requeue's now)."""
+    not a record nobody knows was sent. `follow_up`: the create may be a replay, to be followed by
+    an update whose answer may never be recorded, so the row is put in doubt too.
+    A row the scan did not see raises `LedgerRowConflict` here, before any request. Returns the row
+    as it now stands, or None when its version moved since the page was read (a requeue got there
+    first: the row is the requeue's now)."""
     row = candidate.ledger
     if row is None:
         values = {
@@ -141,6 +145,7 @@ def record_create_intent(
             "fingerprint": None,
             "create_generation": 0,
             "create_fingerprint": digest,
+            "in_doubt": False,
             "version": 0,
             "created_at": now,
             "updated_at": now,
@@ -161,20 +166,49 @@ def record_create_intent(
             version=0,
             create_fingerprint=digest,
         )
-    if row.create_fingerprint is not None:
-        return row  # the first body under this key is known already; nothing to write
+    changes: dict[str, Any] = {}
+    if row.create_fingerprint is None:
+        changes["create_fingerprint"] = digest
+    if follow_up and not row.in_doubt:
+        changes["in_doubt"] = True
+    if not changes:
+        return row  # the first body under this key is known already, and no doubt to declare
     result = conn.execute(
-        _UPDATE,
-        {"row_id": row.id, "read_version": row.version, "version": row.version + 1, "create_fingerprint": digest},
+        _UPDATE, {"row_id": row.id, "read_version": row.version, "version": row.version + 1, **changes}
     )
     if result.rowcount == 0:
         return None
-    return dataclasses.replace(row, version=row.version + 1, create_fingerprint=digest)
+    return dataclasses.replace(row, version=row.version + 1, **changes)
 
 
-def withdraw_create_intent(conn: sa.Connection, before: LedgerRow | None, intent: LedgerRow) -> None:
-    """Take back an intent whose create never went out (the breaker refused the call), so the
-    row says what happened: nothing. A row the intent made goes again."""
+def record_update_intents(conn: sa.Connection, rows: Sequence[LedgerRow]) -> list[LedgerRow | None]:
+    """Before updates go out: put each row in doubt, so a crash, a timeout or a cut between the
+    send and the settle leaves a row whose next offer is sent whatever its body (an update the
+    target applied unanswered must not make a later revert look identical to what it holds). One
+    statement for all of them. Returns each row as it now stands, or None where its version moved
+    since the page was read (a requeue's row now). A row already in doubt is left as it is."""
+    marking = [row for row in rows if not row.in_doubt]
+    written: set[int] = set()
+    if marking:
+        result = conn.execute(
+            ledger.update()
+            .where(sa.tuple_(ledger.c.id, ledger.c.version).in_([(row.id, row.version) for row in marking]))
+            .values(in_doubt=True, version=ledger.c.version + 1)
+            .returning(ledger.c.id)
+        )
+        written = {row_id for (row_id,) in result}
+    return [
+        row
+        if row.in_doubt
+        else (dataclasses.replace(row, version=row.version + 1, in_doubt=True) if row.id in written else None)
+        for row in rows
+    ]
+
+
+def withdraw_intent(conn: sa.Connection, before: LedgerRow | None, intent: LedgerRow) -> None:
+    """Take back an intent whose write never went out (the breaker refused the call, the batch was
+    cut first, the target refused the credentials), so the row says what happened: nothing. A row
+    the intent made goes again."""
     if before is None:
         conn.execute(_DELETE, {"row_id": intent.id, "read_version": intent.version})
     elif intent.version != before.version:
@@ -185,6 +219,7 @@ def withdraw_create_intent(conn: sa.Connection, before: LedgerRow | None, intent
                 "read_version": intent.version,
                 "version": intent.version + 1,
                 "create_fingerprint": before.create_fingerprint,
+                "in_doubt": before.in_doubt,
             },
         )
 
@@ -202,6 +237,7 @@ def settle(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outco
         "settled_changed_at": candidate.record.changed_at,
         "fingerprint": outcome.fingerprint,
         "create_generation": outcome.create_generation,
+        "in_doubt": outcome.in_doubt,
         "updated_at": now,
     }
     row = candidate.ledger
@@ -245,6 +281,7 @@ def ledger_rows(
             ledger.c.attempts,
             ledger.c.next_attempt_at,
             ledger.c.last_error,
+            ledger.c.in_doubt,
             ledger.c.updated_at,
         )
         .select_from(

@@ -166,6 +166,7 @@ def requeue(
                 fingerprint=None,
                 create_fingerprint=None,
                 create_generation=ledger.c.create_generation + 1,
+                in_doubt=False,  # nothing is known of a record the target no longer has
             )
         result = conn.execute(
             ledger.update().where(ledger.c.id == row["id"], ledger.c.version == row["version"]).values(**values)

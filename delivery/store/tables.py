@@ -62,6 +62,9 @@ connections = sa.Table(
     sa.Column("token_secret", sa.String(200)),
     # How chains delivering to this connection commit their ledger writes: grouped or per_record.
     sa.Column("settle", sa.String(20), nullable=False, server_default="grouped"),
+    # What an HTTP 403 from this target means: `token` (the token may not write: a fault of the
+    # rule, like a 401) or `record` (this record is refused: a fault of the record).
+    sa.Column("forbidden", sa.String(20), nullable=False, server_default="token"),
 )
 
 mirror_records = sa.Table(
@@ -132,6 +135,10 @@ ledger = sa.Table(
     # the create goes out). A key-honouring target keeps that first body, so a later create under
     # the same key with another body is followed by an update.
     sa.Column("create_fingerprint", sa.String(64)),
+    # A write to the record may have reached the target without its answer being recorded (a
+    # timeout, a dropped connection, a cut or a crash between send and settle): what the target
+    # holds is unknown, so the next offer is sent whatever its body. Set before the write goes out.
+    sa.Column("in_doubt", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
     sa.UniqueConstraint("rule_id", "record_id"),

@@ -96,6 +96,16 @@ def token_for(target: Connection, secrets: SecretReader | None = None) -> str | 
     return (token.strip() or None) if token is not None else None
 
 
+def token_source(target: Connection) -> str | None:
+    """Where `target`'s token comes from, as a message names it (never the token): None when it
+    takes none."""
+    if target.token_secret:
+        return f"the Prefect Secret block {target.token_secret!r}"
+    if target.token_env:
+        return f"${target.token_env}"
+    return None
+
+
 #: What a bearer token may hold: printable ASCII, no spaces (an HTTP header value cannot carry
 #: other characters, and a space or a line break would change what the header says).
 _TOKEN_CHARS = re.compile(r"[\x21-\x7e]+")

@@ -20,14 +20,28 @@ from urllib.parse import quote
 import httpx
 
 from delivery.clock import utcnow
-from delivery.domain import Connection
-from delivery.errors import RecordRejected, RemoteGone, TargetUnavailable, Unaddressable, UnsendablePayload
+from delivery.domain import Connection, Forbidden
+from delivery.errors import (
+    RecordRejected,
+    RemoteGone,
+    TargetUnavailable,
+    Unaddressable,
+    Unauthorized,
+    UnsendablePayload,
+)
 from delivery.redact import redact
 from delivery.storable import remote_id_problem
-from delivery.writers.base import Creates, Updates, Writer, token_for
+from delivery.writers.base import Creates, Updates, Writer, token_for, token_source
 
 #: How much of a refusing target's body reaches `last_error`: enough to see the reason.
 BODY_EXCERPT = 200
+#: Transport failures raised before any byte of the request went out: the write was not applied.
+#: Every other one (a read or write timeout, a connection lost mid-exchange) may have been.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol, httpx.ProxyError)
+#: Answers of the 429/5xx kind that say the request was not acted on (too many requests, not
+#: implemented, unavailable). A 500 says the target failed while handling it, and a 502/504 that a
+#: gateway never heard back: the write may have been applied.
+NOT_APPLIED = frozenset({429, 501, 503})
 
 
 def retry_after_seconds(value: str | None) -> float | None:
@@ -131,9 +145,13 @@ class _RestWriter(Writer):
             finally:
                 response.close()
         except httpx.TimeoutException as exc:
-            raise TargetUnavailable(self._clean(f"{method} {path}: timed out ({type(exc).__name__})")) from exc
+            unknown = not isinstance(exc, NOT_SENT)
+            message = self._clean(f"{method} {path}: timed out ({type(exc).__name__})")
+            raise TargetUnavailable(message, outcome_unknown=unknown) from exc
         except httpx.TransportError as exc:
-            raise TargetUnavailable(self._clean(f"{method} {path}: connection error: {exc}")) from exc
+            unknown = not isinstance(exc, NOT_SENT)
+            message = self._clean(f"{method} {path}: connection error: {exc}")
+            raise TargetUnavailable(message, outcome_unknown=unknown) from exc
         return _Answer(response)
 
     def _refuse(self, method: str, path: str, answer: _Answer, *, gone_on_404: bool) -> Exception:
@@ -141,8 +159,14 @@ class _RestWriter(Writer):
         what = f"{method} {path}: HTTP {code}: {self._excerpt(answer)}"
         if code in (404, 410) and gone_on_404:
             return RemoteGone(what)
+        if code == 401 or (code == 403 and self.target.forbidden is Forbidden.TOKEN):
+            return Unauthorized(self.target.name, token_source(self.target), f"{method} {path}: HTTP {code}")
         if code == 429 or code >= 500:
-            return TargetUnavailable(what, retry_after_seconds(answer.response.headers.get("Retry-After")))
+            return TargetUnavailable(
+                what,
+                retry_after_seconds(answer.response.headers.get("Retry-After")),
+                outcome_unknown=code not in NOT_APPLIED,
+            )
         return RecordRejected(what)
 
     def _clean(self, text: str) -> str:

@@ -33,10 +33,8 @@ def run_phase(chain: Chain, phase: Phase) -> tuple[ChainEnd | None, int]:
     while True:
         report = chain.run_batch(phase)
         attempted += report.attempted
-        if report.ended_by is not None:
+        if report.ends_phase(chain.rule.batch_size):
             return report.ended_by, attempted
-        if report.attempted == 0 or (phase is Phase.DRAIN and report.attempted < chain.rule.batch_size):
-            return None, attempted
 
 
 def run_chain(url: str, rule: str) -> None:

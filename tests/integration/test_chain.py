@@ -203,7 +203,8 @@ def test_an_error_body_holding_a_nul_is_kept_in_last_error_on_both_databases(wor
 
 def test_the_failure_that_reaches_max_attempts_exhausts(world: World) -> None:
     world.load("a")
-    world.target.program(world.key("a"), Answer.status(500), Answer.status(500), Answer.status(500))
+    # Refusals, not outages: a failure that trips the breaker never spends the last attempt.
+    world.target.program(world.key("a"), Answer.status(422), Answer.status(422), Answer.status(422))
     world.run()
     world.make_due()
     assert world.run()["drained"]["failed"] == 1

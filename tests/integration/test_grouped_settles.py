@@ -13,28 +13,18 @@ import sqlalchemy as sa
 from delivery import db
 from delivery.breaker import TargetBreaker
 from delivery.chain import Chain
-from delivery.domain import ChainEnd, Phase
+from delivery.domain import ChainEnd, ChainReport, Phase
 from delivery.errors import TargetUnavailable
 from delivery.settle import GROUP_RECORDS
 from delivery.store import chains
 from tests.integration.engine_events import Commits, Statements
 from tests.integration.world import RULE, World, email
+from tests.support.chains import drive
 from tests.target_server import Answer, TargetServer
 
 
-def _chain(world: World) -> Chain:
-    """One chain driven by hand, drain then scan, as the deliver-rule flow drives it."""
-    chain = Chain(world.engine, RULE)
-    assert chain.open() is None
-    for phase in (Phase.DRAIN, Phase.SCAN):
-        while True:
-            report = chain.run_batch(phase)
-            if report.ended_by is not None:
-                return chain
-            if report.attempted == 0 or (phase is Phase.DRAIN and report.attempted < chain.rule.batch_size):
-                break
-    chain.finish()
-    return chain
+def _chain(world: World) -> ChainReport:
+    return drive(world.engine, RULE)
 
 
 def _ids(n: int) -> list[str]:
@@ -88,8 +78,7 @@ def test_a_batch_cut_by_the_breaker_keeps_no_intent_of_a_create_it_never_sent(
     world.load(*ids)
     for i in ids[5:]:
         target.program(email(i), Answer.status(503))
-    chain = _chain(world)
-    assert chain.report.ended_by is ChainEnd.BREAKER_OPEN
+    assert _chain(world).ended_by is ChainEnd.BREAKER_OPEN
     ledger = world.ledger()
     sent = {i for i in ids if target.count(email(i)) > 0}
     # Every record that reached the target has its outcome; none that did not has a row at all.

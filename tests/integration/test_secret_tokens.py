@@ -119,15 +119,17 @@ def test_a_chain_delivers_with_the_blocks_token_and_the_next_chain_reads_it_anew
     assert first["counts"]["delivered"] == 1
     assert [r.headers["authorization"] for r in world.target.requests] == [f"Bearer {FIRST}"]
 
-    # The target now wants another token; the block still holds the old one: refused (401).
+    # The target now wants another token; the block still holds the old one: refused (401), a
+    # fault of the rule that names the block and writes nothing for the record.
     world.target.token = SECOND
     world.load("c-2")
     refused = world.run()
-    assert refused["counts"]["failed"] == 1 and world.ledger()["c-2"]["status"] == "failed"
+    assert refused["state"] == "FAILED" and refused["ended_by"] == "rule_fault", refused
+    assert f"the Prefect Secret block {block!r}" in refused["message"]
+    assert "c-2" not in world.ledger()
 
     # Changed in Prefect, nothing restarted: the next chain reads the block again and delivers.
     save_block(block, SECOND)
-    world.make_due()
     second = world.run()
     assert second["state"] == "COMPLETED" and second["counts"]["delivered"] == 1, second
     assert world.ledger()["c-2"]["status"] == "delivered"

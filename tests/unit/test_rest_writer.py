@@ -5,6 +5,7 @@ socket."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -13,13 +14,15 @@ from typing import Any
 import httpx
 import pytest
 
-from delivery.domain import Connection, ConnectionStatus, Verb
+from delivery.domain import Connection, ConnectionStatus, Forbidden, Verb
 from delivery.errors import (
     RecordFault,
     RecordRejected,
     RemoteGone,
+    RuleFault,
     TargetUnavailable,
     Unaddressable,
+    Unauthorized,
     UnsendablePayload,
 )
 from delivery.writers import base, registry
@@ -279,7 +282,7 @@ def test_create_429_with_garbage_retry_after(target: Target) -> None:
     assert caught.value.retry_after_seconds is None
 
 
-@pytest.mark.parametrize("status", [400, 401, 403, 405, 409, 413, 422])
+@pytest.mark.parametrize("status", [400, 405, 409, 413, 422])
 def test_create_4xx_is_record_rejected(target: Target, status: int) -> None:
     with pytest.raises(RecordRejected) as caught:
         target.writer(answer(status, {"error": "email is invalid"})).create({}, "k")
@@ -594,10 +597,75 @@ def test_timeout_setting_reaches_the_request(target: Target) -> None:
 def test_rejection_echoing_the_token_is_redacted(target: Target) -> None:
     body = f"bad header: Authorization: Bearer {TOKEN}"
     with pytest.raises(RecordRejected) as caught:
-        target.writer(answer(401, text=body)).create({}, "k")
+        target.writer(answer(422, text=body)).create({}, "k")
     message = str(caught.value)
     assert TOKEN not in message
-    assert message == "POST contacts: HTTP 401: bad header: Authorization: Bearer ***"
+    assert message == "POST contacts: HTTP 422: bad header: Authorization: Bearer ***"
+
+
+# --- credentials refused: a fault of the rule ---------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [401, 403])
+@pytest.mark.parametrize("verb", ["create", "update"])
+def test_credentials_refused_is_unauthorized(target: Target, status: int, verb: str) -> None:
+    writer = target.writer(answer(status, text=f"token {TOKEN} is not valid"))
+    with pytest.raises(Unauthorized) as caught:
+        writer.create({}, "k") if verb == "create" else writer.update("r-1", {})
+    message = str(caught.value)
+    assert isinstance(caught.value, RuleFault)
+    assert TOKEN not in message  # the answer's body is not repeated at all
+    assert f"HTTP {status}" in message and "'crm'" in message and "$CRM_TOKEN" in message
+
+
+def test_unauthorized_names_a_secret_block_as_the_source(target: Target) -> None:
+    connection = dataclasses.replace(CRM, token_env=None, token_secret="crm-token")
+    with pytest.raises(Unauthorized) as caught:
+        target.writer(answer(401), connection=connection).create({}, "k")
+    assert "the Prefect Secret block 'crm-token'" in str(caught.value)
+    assert str(caught.value.for_rule("contacts")).startswith("rule 'contacts': target 'crm' refused")
+
+
+def test_403_is_a_record_refusal_where_the_connection_says_so(target: Target) -> None:
+    connection = dataclasses.replace(CRM, forbidden=Forbidden.RECORD)
+    with pytest.raises(RecordRejected) as caught:
+        target.writer(answer(403, text="not your record"), connection=connection).update("r-1", {})
+    assert str(caught.value) == "PATCH contacts/r-1: HTTP 403: not your record"
+    with pytest.raises(Unauthorized):  # a 401 still says the token is wrong
+        target.writer(answer(401), connection=connection).update("r-1", {})
+
+
+# --- whether a failed write may have been applied -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "unknown"), [(429, False), (500, True), (501, False), (502, True), (503, False), (504, True)]
+)
+def test_an_answer_says_whether_the_write_may_have_been_applied(target: Target, status: int, unknown: bool) -> None:
+    with pytest.raises(TargetUnavailable) as caught:
+        target.writer(answer(status, text="")).update("r-1", {})
+    assert caught.value.outcome_unknown is unknown
+
+
+@pytest.mark.parametrize(
+    ("exc_type", "unknown"),
+    [
+        (httpx.ConnectError, False),
+        (httpx.ConnectTimeout, False),
+        (httpx.PoolTimeout, False),
+        (httpx.ReadTimeout, True),
+        (httpx.WriteTimeout, True),
+        (httpx.ReadError, True),
+        (httpx.WriteError, True),
+        (httpx.RemoteProtocolError, True),
+    ],
+)
+def test_a_transport_failure_says_whether_the_request_went_out(
+    target: Target, exc_type: type[httpx.TransportError], unknown: bool
+) -> None:
+    with pytest.raises(TargetUnavailable) as caught:
+        target.writer(raising(exc_type)).update("r-1", {})
+    assert caught.value.outcome_unknown is unknown
 
 
 def test_gone_echoing_the_token_is_redacted(target: Target) -> None:
