@@ -5,6 +5,7 @@ has no writer, or whose policy needs a verb the writer's type lacks, is refused.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from types import UnionType
@@ -170,13 +171,116 @@ def _location(loc: tuple[int | str, ...]) -> str:
     return path or "(top level)"
 
 
+#: How deep mappings and lists may nest in a config file, aliases expanded. A config needs five
+#: levels (the file, `rules`, a rule, `fields`, a value); the bound keeps YAML's own reader and the
+#: checks after it, which all recurse, far from Python's recursion limit.
+MAX_DEPTH = 50
+#: How many nodes aliases may repeat in one file, all together. `<<: *defaults` in each of a
+#: thousand rules stays far below it; a "billion laughs" (each anchor a list of aliases of the one
+#: before) reaches it within a few lines, where it would otherwise expand into billions of values.
+MAX_ALIASED_NODES = 100_000
+
+
+class _LimitError(yaml.composer.ComposerError):
+    """A file YAML would read, refused for what reading it would cost: a recursive alias, aliases
+    that expand too far, nesting too deep."""
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key given twice in one mapping is an error: PyYAML
-    keeps the last and drops the first without a word, so a second `connections:` would silently
-    discard every connection of the first. Keys a merge (`<<: *anchor`) brings in may still be
-    overridden, as YAML means them to be."""
+    """PyYAML's safe loader, except that:
+
+    - a key given twice in one mapping is an error: PyYAML keeps the last and drops the first
+      without a word, so a second `connections:` would silently discard every connection of the
+      first. Keys a merge (`<<: *anchor`) brings in may still be overridden, as YAML means them to be;
+    - an alias inside the node it names (`a: &a [*a]`) is refused, and so are aliases that
+      together repeat more than MAX_ALIASED_NODES nodes, and nesting deeper than MAX_DEPTH
+      (aliases expanded): each is counted while the file is composed, before any value is built;
+    - a value its tag cannot build (`!!int x`, a date that does not exist, an integer of more
+      digits than Python reads) is an error at its place instead of a Python exception."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        #: The anchors whose node is being composed: an alias to one of them would be a cycle.
+        self._open_anchors: set[str] = set()
+        #: Per node composed (by id, while the document holds them all): the nodes it holds and
+        #: the levels it spans, aliases expanded.
+        self._sizes: dict[int, tuple[int, int]] = {}
+        self._aliased = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        mark: Any = event.start_mark  # PyYAML's pure-Python mark (the stubs allow libyaml's too)
+        if isinstance(event, yaml.AliasEvent):
+            anchor = event.anchor
+            if anchor in self._open_anchors:
+                raise _LimitError(
+                    None,
+                    None,
+                    f"the alias *{anchor} stands inside the node &{anchor} names: a recursive alias, which never ends",
+                    mark,
+                )
+            node = super().compose_node(parent, index)  # an undefined alias: PyYAML's own error
+            assert node is not None
+            nodes, levels = self._sizes[id(node)]
+            self._aliased += nodes
+            if self._aliased > MAX_ALIASED_NODES:
+                raise _LimitError(
+                    None,
+                    None,
+                    f"with *{anchor}, aliases repeat more than {MAX_ALIASED_NODES:,} values in all "
+                    "(aliases are limited: write the repeated part out, or repeat it less)",
+                    mark,
+                )
+            if self._depth + levels > MAX_DEPTH:
+                raise _LimitError(
+                    None,
+                    None,
+                    f"with *{anchor} expanded, mappings and lists nest more than {MAX_DEPTH} levels deep",
+                    mark,
+                )
+            return node
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise _LimitError(
+                None, None, f"mappings and lists nest more than {MAX_DEPTH} levels deep", event.start_mark
+            )
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            self._open_anchors.add(anchor)
+        node = super().compose_node(parent, index)
+        assert node is not None
+        self._open_anchors.discard(anchor)
+        self._depth -= 1
+        self._sizes[id(node)] = self._size(node)
+        return node
+
+    def _size(self, node: yaml.Node) -> tuple[int, int]:
+        if isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        else:
+            return 1, 1
+        # Every child was composed before its parent (an alias's node before the alias).
+        sizes = [self._sizes[id(child)] for child in children]
+        return 1 + sum(nodes for nodes, _ in sizes), 1 + max((levels for _, levels in sizes), default=0)
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError) as exc:
+            # `!!bool x` is a KeyError, `!!timestamp x` an AttributeError, `2001-13-45` a ValueError.
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            if isinstance(exc, ValueError) and "integer string conversion" in str(exc):
+                problem = f"an integer of more than {sys.get_int_max_str_digits()} digits cannot be read"
+            else:
+                problem = f"this value cannot be read as {tag}" + (f" ({exc})" if isinstance(exc, ValueError) else "")
+            raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark) from exc
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if not isinstance(node, yaml.MappingNode):  # `!!map [a]`: PyYAML's own check names it
+            return super().construct_mapping(node, deep=deep)
         seen: dict[Any, yaml.Node] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
@@ -197,6 +301,12 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _position(text: str, index: int) -> str:
+    """The line and column of the character at `index`, both from 1."""
+    line_start = text.rfind("\n", 0, index) + 1
+    return f"line {text.count(chr(10), 0, index) + 1}, column {index - line_start + 1}"
+
+
 def parse_config(text: str, origin: str = "config") -> DeliveryConfig:
     """Parse and validate the shape; every problem names where it is."""
     try:
@@ -204,9 +314,17 @@ def parse_config(text: str, origin: str = "config") -> DeliveryConfig:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        raise ConfigError([f"{origin}: not valid YAML at {where}: {exc.problem}"]) from exc
+        what = "refused" if isinstance(exc, _LimitError) else "not valid YAML"
+        raise ConfigError([f"{origin}: {what} at {where}: {exc.problem}"]) from exc
+    except yaml.reader.ReaderError as exc:
+        # A character YAML does not take (a control character): PyYAML's message spans two lines
+        # and counts characters from the start of the file.
+        character = f"U+{exc.character:04X}" if isinstance(exc.character, int) else repr(exc.character)
+        raise ConfigError(
+            [f"{origin}: not valid YAML at {_position(text, exc.position)}: the character {character} ({exc.reason})"]
+        ) from exc
     except yaml.YAMLError as exc:
-        raise ConfigError([f"{origin}: not valid YAML: {exc}"]) from exc
+        raise ConfigError([f"{origin}: not valid YAML: {' '.join(str(exc).split())}"]) from exc
     if data is None:
         data = {}
     if not isinstance(data, dict):

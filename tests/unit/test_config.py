@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -690,3 +691,117 @@ def test_true_or_false_is_not_a_number(text: str, path: str) -> None:
     """Before: lax pydantic read `true` as 1 (`timeout_seconds: true` saved a 1-second timeout)."""
     problems = problems_of(text)
     assert problems[0].endswith(f"{path}: must be a number, not true or false"), problems
+
+
+# --- aliases, nesting, values a tag cannot build (issue #16) -----------------------------------
+
+
+def laughs(width: int, depth: int) -> str:
+    """The "billion laughs": each anchor a list of `width` aliases of the one before."""
+    lines = [f"l0: &l0 [{', '.join(['lol'] * width)}]"]
+    lines += [f"l{n}: &l{n} [{', '.join([f'*l{n - 1}'] * width)}]" for n in range(1, depth)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "anchor"),
+    [
+        ("a: &a [*a]\n", "line 1, column 8", "a"),
+        ("a: &a {b: *a}\n", "line 1, column 11", "a"),
+        ("a: &a {<<: *a}\n", "line 1, column 12", "a"),
+        ("connections:\n  - &c\n    name: crm\n    breaker: [x, [*c]]\n", "line 4, column 19", "c"),
+    ],
+    ids=["list", "mapping", "merge", "nested"],
+)
+def test_a_recursive_alias_is_refused_naming_its_line(text: str, where: str, anchor: str) -> None:
+    """Before: a RecursionError traceback (the checks walked a list holding itself)."""
+    assert problems_of(text) == [
+        f"config: refused at {where}: the alias *{anchor} stands inside the node &{anchor} names: "
+        "a recursive alias, which never ends"
+    ]
+
+
+def test_a_billion_laughs_is_refused_at_once_naming_the_alias_past_the_limit() -> None:
+    """Before: 9 anchors of 9 aliases each took over two minutes (387 million values, walked by
+    every check), then gave one error line per anchor."""
+    started = time.monotonic()
+    (problem,) = problems_of(laughs(9, 9))
+    assert time.monotonic() - started < 2
+    assert problem.startswith("config: refused at line 6, column 10: with *l4, aliases repeat more than 100,000 values")
+
+
+def test_aliases_below_the_limit_still_work() -> None:
+    # A thousand rules, each merging one anchored set of defaults: about 17,000 values from aliases.
+    rules = "".join(f"  - {{<<: *defaults, name: r{n}}}\n" for n in range(1000))
+    text = (
+        "connections:\n  - {name: shop}\n  - {name: crm}\nrules:\n"
+        "  - &defaults {name: r, source: shop, domain: contact, target: crm, collection: contacts, "
+        "batch_size: 10, retry_schedule_seconds: [1, 2, 3]}\n" + rules
+    )
+    config = parse_config(text)
+    assert len(config.rules) == 1001
+    assert config.rules[-1].name == "r999" and config.rules[-1].retry_schedule_seconds == [1, 2, 3]
+    assert "aliases repeat" in problems_of(laughs(4, 10))[0]  # 4**9 = 262,144 values
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (
+            "a: " + "[" * 60 + "]" * 60 + "\n",
+            "config: refused at line 1, column 53: mappings and lists nest more than 50",
+        ),
+        ("a: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n", "config: refused at line 1, column 197: mappings and lists"),
+        ("a: &a " + "[" * 30 + "]" * 30 + "\nb: " + "[" * 25 + "*a" + "]" * 25 + "\n", "with *a expanded"),
+    ],
+    ids=["lists", "mappings", "through-an-alias"],
+)
+def test_nesting_deeper_than_the_limit_is_refused(text: str, problem: str) -> None:
+    """Before: a RecursionError traceback from PyYAML's composer, past about 300 levels."""
+    (found,) = problems_of(text)
+    assert problem in found
+
+
+def test_nesting_up_to_the_limit_is_read() -> None:
+    # The document's mapping, its list of 48 more lists, and the innermost value: 50 levels.
+    problems = problems_of("a: " + "[" * 48 + "1" + "]" * 48 + "\n")
+    assert problems == ["a: Extra inputs are not permitted"]
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("9" * 5000, "line 2, column 93: an integer of more than 4300 digits cannot be read"),
+        ("!!int x", "this value cannot be read as !!int (invalid literal"),
+        ("!!float x", "this value cannot be read as !!float (could not convert"),
+        ("!!bool x", "this value cannot be read as !!bool"),
+        ("!!timestamp x", "this value cannot be read as !!timestamp"),
+        ("2001-13-45", "this value cannot be read as !!timestamp (month must be in 1..12)"),
+    ],
+    ids=["huge-int", "int", "float", "bool", "timestamp", "no-such-date"],
+)
+def test_a_value_its_tag_cannot_build_is_refused_at_its_place(value: str, problem: str) -> None:
+    """Before: a ValueError, KeyError or AttributeError traceback from PyYAML's constructor."""
+    (found,) = problems_of(RULE % f"batch_size: {value}")
+    assert found.startswith("config: not valid YAML at line 2, column"), found
+    assert problem in found
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("a: !!map [a]\n", "line 1, column 4: expected a mapping node, but found sequence"),
+        ("a: !!map x\n", "line 1, column 4: expected a mapping node, but found scalar"),
+    ],
+)
+def test_a_mapping_tag_on_something_else_is_refused(text: str, problem: str) -> None:
+    """Before: a TypeError traceback from the check for a key given twice, which took every
+    node tagged as a mapping for one (found by tests/acceptance/test_cli_fuzz.py)."""
+    assert problems_of(text) == [f"config: not valid YAML at {problem}"]
+
+
+def test_a_control_character_is_refused_on_one_line_naming_its_line_and_column() -> None:
+    """Before: PyYAML's two-line message counting characters from the start of the file."""
+    assert problems_of("connections:\n  - {name: crm\x01}\n") == [
+        "config: not valid YAML at line 2, column 15: the character U+0001 (special characters are not allowed)"
+    ]
