@@ -11,6 +11,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Union, get_args, get_origin
 
+import httpx
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -72,6 +73,14 @@ class ConnectionConfig(_Strict):
     # As a target: how chains commit the ledger writes of what they deliver to it (see SettleMode).
     settle: SettleMode = SettleMode.GROUPED
 
+    @field_validator("base_url")
+    @classmethod
+    def _base_url_a_client_can_use(cls, value: str | None) -> str | None:
+        problem = None if value is None else base_url_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
     @model_validator(mode="after")
     def _one_token_source(self) -> ConnectionConfig:
         # Two sources would leave it to the engine to pick one, and an operator rotating one of
@@ -93,6 +102,36 @@ class ConnectionConfig(_Strict):
             token_secret=self.token_secret,
             settle=self.settle,
         )
+
+
+def base_url_problem(url: str) -> str | None:
+    """Why the REST writer could not send to `url`, or None: httpx must parse it, it must name a
+    host and a port from 1 to 65535 (httpx takes 0 or 99999 and fails only when connecting), it
+    must hold no query or fragment (the collection and the record's id are appended to its
+    path), and the writer's client must build a request on it as it will (the URL with one
+    trailing `/`). The reason never repeats the URL, which may carry a user and password."""
+    try:
+        parsed = httpx.URL(url)
+        port = parsed.port
+        # As the writer builds its client; a transport that sends nothing, so no TLS set-up.
+        with httpx.Client(
+            base_url=url.rstrip("/") + "/", transport=httpx.MockTransport(_no_sending), trust_env=False
+        ) as client:
+            client.build_request("POST", "x")
+    except (httpx.InvalidURL, ValueError, TypeError) as exc:  # a bad IDNA host is a UnicodeError, a ValueError
+        # httpx's reason quotes the part it stopped at: left out when the URL holds a user and password.
+        return "httpx cannot read it as a URL" + ("" if "@" in url else f" ({exc})")
+    if not parsed.host:
+        return "names no host"
+    if port is not None and not 1 <= port <= 65535:
+        return f"has port {port}, outside 1 to 65535"
+    if parsed.query or parsed.fragment or "?" in url or "#" in url:
+        return "must hold no query (?...) or fragment (#...): the collection and record ids are appended to its path"
+    return None
+
+
+def _no_sending(request: httpx.Request) -> httpx.Response:  # pragma: no cover - never called
+    raise AssertionError("base_url_problem builds a request and never sends it")
 
 
 #: A percent-escape that a server may decode into a dot, a slash or a backslash after the URL was

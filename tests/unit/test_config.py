@@ -693,7 +693,7 @@ def test_true_or_false_is_not_a_number(text: str, path: str) -> None:
     assert problems[0].endswith(f"{path}: must be a number, not true or false"), problems
 
 
-# --- aliases, nesting, values a tag cannot build (issue #16) -----------------------------------
+# --- aliases, nesting, values a tag cannot build, base URLs (issue #16) -------------------------
 
 
 def laughs(width: int, depth: int) -> str:
@@ -805,3 +805,36 @@ def test_a_control_character_is_refused_on_one_line_naming_its_line_and_column()
     assert problems_of("connections:\n  - {name: crm\x01}\n") == [
         "config: not valid YAML at line 2, column 15: the character U+0001 (special characters are not allowed)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://127.0.0.1:99999/api", "has port 99999, outside 1 to 65535"),
+        ("http://127.0.0.1:0/api", "has port 0, outside 1 to 65535"),
+        ("http://[::1/api", "httpx cannot read it as a URL (Invalid port: ':1')"),
+        ("http://x:80:80/", "httpx cannot read it as a URL (Invalid port: '80:80')"),
+        ("http://xn--/api", "httpx cannot read it as a URL"),
+        ("http://user:s3cr3t@xn--/api", "httpx cannot read it as a URL"),
+        ("http:///api", "names no host"),
+        ("http://:80/api", "names no host"),
+        ("http://user@/api", "names no host"),
+        ("http://x/api?key=1", "must hold no query"),
+        ("http://x/api#top", "must hold no query"),
+        ("http://x?", "must hold no query"),
+    ],
+)
+def test_a_base_url_the_writer_cannot_send_to_is_refused(url: str, problem: str) -> None:
+    """Before: saved, and every chain to the target failed at connect time (or the query and
+    fragment garbled every request's path)."""
+    (found,) = problems_of(CONNECTION % f"driver: rest, base_url: '{url}'")
+    assert found.startswith(f"connections[0].base_url: {problem}"), found
+    assert "s3cr3t" not in found  # a URL's password is never repeated
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://[::1]:8900/api", "https://crm.example:443/", "http://é.example/api", "http://u:p@crm.example/api"],
+)
+def test_base_urls_a_client_can_use_are_kept_as_written(url: str) -> None:
+    assert parse_config(CONNECTION % f"base_url: '{url}'").connections[0].base_url == url
