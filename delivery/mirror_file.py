@@ -29,7 +29,9 @@ def parse_line(number: int, line: str) -> MirrorInput:
         raise MirrorLoadError(number, "must be a JSON object with 'id' and 'payload'")
     unknown = sorted(set(data) - _KEYS)
     if unknown:
-        raise MirrorLoadError(number, f"unknown key(s) {', '.join(unknown)}; allowed: deleted, id, payload")
+        # Quoted unless a plain name: a key may be empty, blank, or hold a line break.
+        names = ", ".join(key if key.isidentifier() else json.dumps(key, ensure_ascii=False) for key in unknown)
+        raise MirrorLoadError(number, f"unknown key(s) {names}; allowed: deleted, id, payload")
     external_id = data.get("id")
     if isinstance(external_id, bool) or not isinstance(external_id, (str, int)) or str(external_id).strip() == "":
         raise MirrorLoadError(number, "'id' must be a non-empty string or an integer")

@@ -87,6 +87,16 @@ def _check_arguments(args: list[str]) -> None:
         raise InputError(f"{where}: '{shown}' is not UTF-8 text; names, ids and values must be")
 
 
+def one_line(text: str) -> str:
+    """`text` with every character that is not printable written as its escape (`\\n`, `\\x1b`,
+    `\\u2028`, a lone surrogate's `\\udcff`): a problem quotes what it was given (a path, a key, a
+    value), and a line break there would print a line that is no `error:` line, a terminal escape
+    would act on the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else char.encode("unicode_escape").decode("ascii") for char in text)
+
+
 def main() -> None:
     _prefect_defaults()
     try:
@@ -94,12 +104,12 @@ def main() -> None:
         settings()  # a bad DELIVERY_* value is refused here, naming it, before any command runs
         app()
     except InputError as exc:
-        # Plain writes: rich markup would eat "[0]" in paths like rules[0].policy.
+        # Plain writes: rich markup would eat "[0]" in paths like rules[0].policy. One line each.
         problems = getattr(exc, "problems", None) or [str(exc)]
         for problem in problems:
-            sys.stderr.write(f"error: {problem}\n")
+            sys.stderr.write(f"error: {one_line(problem)}\n")
         sys.exit(2)
     except DatabaseUnavailable as exc:
         # Not refused input: the same command works once the database takes connections.
-        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.write(f"error: {one_line(str(exc))}\n")
         sys.exit(1)

@@ -111,6 +111,13 @@ def test_several_unknown_keys_are_listed_sorted() -> None:
     assert "unknown key(s) alpha, zeta;" in str(error)
 
 
+def test_an_unknown_key_that_is_no_plain_name_is_quoted_on_the_one_line() -> None:
+    """Before: printed as it was, so `{"\\n": 1}` split the error over two lines, and an empty
+    or blank key showed as nothing."""
+    error = refusal(1, '{"id": "a", "payload": {}, "a\\nb": 1, "": 2, " ": 3, "\u00e9t\u00e9": 4}')
+    assert str(error) == 'line 1: unknown key(s) "", " ", "a\\nb", été; allowed: deleted, id, payload'
+
+
 def test_misspelt_key_is_unknown_before_anything_else() -> None:
     assert "unknown key(s) paylod" in str(refusal(1, '{"id": "a", "paylod": {}}'))
 
