@@ -19,6 +19,7 @@ from delivery.domain import (
     BreakerSettings,
     ConnectionSpec,
     ConnectionStatus,
+    Forbidden,
     Policy,
     RuleSpec,
     SavedRule,
@@ -72,6 +73,8 @@ class ConnectionConfig(_Strict):
     breaker: BreakerConfig = BreakerConfig()
     # As a target: how chains commit the ledger writes of what they deliver to it (see SettleMode).
     settle: SettleMode = SettleMode.GROUPED
+    # As a target: what its HTTP 403 means (see Forbidden): the token's fault (the rule's), or the record's.
+    forbidden: Forbidden = Forbidden.TOKEN
 
     @field_validator("base_url")
     @classmethod
@@ -101,6 +104,7 @@ class ConnectionConfig(_Strict):
             breaker=BreakerSettings(self.breaker.fail_max, self.breaker.reset_seconds),
             token_secret=self.token_secret,
             settle=self.settle,
+            forbidden=self.forbidden,
         )
 
 
