@@ -167,6 +167,8 @@ def test_an_update_killed_before_its_settle_then_reverted_ends_on_the_mirrors_bo
     killed_when(target, workdir, "PATCH")
     wait_for(lambda: held(target, "a")["name"] == "B", "the update to land")
     assert ledger_rows(workdir)["a"]["in_doubt"] is True
+    table = ok(delivery("ledger", "--rule", RULE, cwd=workdir)).stdout
+    assert "delivered (in doubt)" in table
 
     load(engine, "a", "A")
     run(workdir)
