@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-sqlite lint typecheck check demo serve bench bench-quick screenshots clean
+.PHONY: install test test-sqlite fuzz lint typecheck check demo serve bench bench-quick screenshots clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ test: $(STAMP)
 ## The suite without the PostgreSQL half, for a machine with no PostgreSQL.
 test-sqlite: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not postgres"
+
+## Only the property-based tests (marked fuzz), with far more examples than `make test` gives them
+## (HYPOTHESIS_PROFILE=fuzz; the profiles are registered in tests/conftest.py).
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -m fuzz
 
 lint: $(STAMP)
 	$(BIN)/ruff check delivery flows playground tests migrations bench tools

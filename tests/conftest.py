@@ -22,10 +22,26 @@ for _service in ("TASK_RUN_RECORDER", "EVENT_PERSISTER", "TRIGGERS"):
     os.environ.setdefault(f"PREFECT_SERVER_SERVICES_{_service}_ENABLED", "false")
 
 import sqlalchemy as sa
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 from delivery import db
 from delivery.store.tables import metadata
 from tests.target_server import TargetServer
+
+# Property-based tests (marked `fuzz`): a fixed budget for `make test`, a far larger one for
+# `make fuzz` (HYPOTHESIS_PROFILE=fuzz). No deadline: an example's time is mostly the database's,
+# which varies with the machine's load. The fixtures a fuzz test takes (a database, a directory)
+# are set up once per test and shared by its examples on purpose: each example checks its own
+# before and after.
+_FUZZ_HEALTH = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
+hypothesis_settings.register_profile(
+    "ci", max_examples=300, deadline=None, suppress_health_check=_FUZZ_HEALTH, print_blob=True
+)
+hypothesis_settings.register_profile(
+    "fuzz", max_examples=3000, deadline=None, suppress_health_check=_FUZZ_HEALTH, print_blob=True
+)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 POSTGRES_URL = os.environ.get("DELIVERY_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
