@@ -23,13 +23,17 @@ What an operator should see goes to the chain's run log (the `logger` the flow p
 wait step that found the rule taken (which chain holds it, its flow run, process and host, and how
 long the wait has lasted), and every slot freed from a dead holder.
 
-Prefect's public `concurrency()` never hands out the lease id this needs, so acquiring goes through
-`flows.prefect_private`, the one module that touches Prefect internals; renewing and releasing use
-the public client.
+Prefect's `concurrency()` never hands out the lease id this needs, so the lease is taken with the
+public client's increment call, one try at a time, the wait between tries being ours. Prefect's
+own acquirer is not used for a second reason: its timeout cancels a request in flight, and a slot
+the server granted to that request is then held by a lease nobody knows (the rule stays taken
+until a repossessor frees it, or for good on an API that runs none; seen under load: a `delivery
+run` waiting 300 s for a slot nobody held).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import logging
@@ -42,8 +46,11 @@ from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
+import httpx
 from prefect import get_client
+from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+from prefect.client.schemas.responses import ConcurrencyLimitWithLeaseResponse
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.settings import PREFECT_API_URL
 
@@ -51,7 +58,7 @@ from delivery import liveness
 from delivery.chain import Chain
 from delivery.clock import utcnow
 from delivery.settings import settings
-from flows.prefect_private import acquire_lease, ephemeral_api_urls
+from flows.prefect_private import ephemeral_api_urls
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +99,60 @@ def server_repossesses_leases() -> bool:
     if not url:
         return False
     return url.rstrip("/") not in ephemeral_api_urls()
+
+
+async def acquire_lease(name: str, timeout_seconds: float, lease_seconds: float) -> UUID:
+    """Take the one slot of the limit `name` under a lease of `lease_seconds` and return the lease
+    id. Tries until `timeout_seconds` have passed (then `TimeoutError`), sleeping the server's
+    Retry-After between tries. A missing limit is an error, since it would otherwise silently mean
+    no lock at all (`LockMissing`)."""
+    deadline = time.monotonic() + timeout_seconds
+    async with get_client() as client:
+        while True:
+            try:
+                response = await _increment_once(client, name, lease_seconds)
+            except httpx.HTTPStatusError as exc:
+                if exc.response.status_code != 423:  # anything but "taken"
+                    raise
+                retry_after = _retry_after(exc.response)
+            else:
+                if not response.limits:
+                    raise LockMissing(f"the rule lock {name} does not exist")
+                return response.lease_id
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"the rule lock {name} stayed taken for {timeout_seconds:g} s")
+            await asyncio.sleep(min(retry_after, remaining))
+
+
+class LockMissing(RuntimeError):
+    """The rule's concurrency limit is gone (deleted by hand between `ensure_lock` and the job)."""
+
+
+async def _increment_once(client: PrefectClient, name: str, lease_seconds: float) -> ConcurrencyLimitWithLeaseResponse:
+    """One increment request, never cut short: a caller cancelled while it is in flight waits for
+    its answer and gives back a slot it was granted, then is cancelled."""
+    request = asyncio.ensure_future(
+        client.increment_concurrency_slots_with_lease(
+            names=[name], slots=1, mode="concurrency", lease_duration=lease_seconds
+        )
+    )
+    try:
+        response = await asyncio.shield(request)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            granted = ConcurrencyLimitWithLeaseResponse.model_validate((await request).json())
+            if granted.limits:
+                await client.release_concurrency_slots_with_lease(lease_id=granted.lease_id)
+        raise
+    return ConcurrencyLimitWithLeaseResponse.model_validate(response.json())
+
+
+def _retry_after(response: httpx.Response) -> float:
+    try:
+        return max(0.0, float(response.headers.get("Retry-After", "1")))
+    except ValueError:
+        return 1.0
 
 
 async def _reset(name: str) -> None:

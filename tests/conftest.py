@@ -43,6 +43,9 @@ hypothesis_settings.register_profile(
 )
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+#: Every rule's lock is a Prefect global concurrency limit named so (flows.lock.lock_name).
+RULE_LOCK_PREFIX = "delivery-rule-"
+
 POSTGRES_URL = os.environ.get("DELIVERY_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
@@ -118,12 +121,32 @@ def engine(db_url: str) -> sa.Engine:
 
 
 @pytest.fixture(scope="session")
-def prefect_api() -> Iterator[None]:
+def _prefect_harness() -> Iterator[None]:
     """The real Prefect API on a test server, started once (it costs 15-20 s)."""
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture
+def prefect_api(_prefect_harness: None) -> None:
+    """The session's Prefect API, with no rule lock left from an earlier test.
+
+    Every test delivers under the same rule names, so the same lock names, and the harness's API
+    runs no lease repossessor: a slot held by a `delivery run` an earlier test killed stays taken
+    for good, with nobody on the new test's record. A chain in the test's own process frees such
+    a slot after a lease's lifetime; a `delivery run` process cannot tell the harness from a real
+    server and waits for a repossession that never comes (seen in CI: a run waiting 300 s)."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        names: list[str] = []
+        while page := client.read_global_concurrency_limits(limit=200, offset=len(names)):
+            names += [limit.name for limit in page]
+        for name in names:
+            if name.startswith(RULE_LOCK_PREFIX):
+                client.delete_global_concurrency_limit_by_name(name)
 
 
 @pytest.fixture(scope="session")

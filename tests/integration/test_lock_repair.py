@@ -24,8 +24,7 @@ from delivery import liveness
 from delivery.chain import Chain
 from delivery.clock import utcnow
 from delivery.store import chains, tables
-from flows.lock import LEASE_SECONDS, release_lease, rule_lock
-from flows.prefect_private import acquire_lease
+from flows.lock import LEASE_SECONDS, acquire_lease, release_lease, rule_lock
 from tests.integration.locks import own_rule_lock
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
@@ -240,3 +239,65 @@ def test_the_harness_server_runs_no_repossessor_and_a_real_server_does(prefect_a
     assert flows.lock.server_repossesses_leases() is False  # the harness: an ephemeral-mode server
     with temporary_settings(updates={PREFECT_API_URL: "http://prefect.example:4200/api"}):
         assert flows.lock.server_repossesses_leases() is True
+
+
+# -- acquiring never loses a granted slot ------------------------------------------------------------
+
+
+@pytest.fixture
+def late_grants(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The API grants a slot at once but its answer reaches the caller 1.5 s later (a loaded
+    server or network). Returns the times the grants were made."""
+    from prefect.client.orchestration import PrefectClient
+
+    granted: list[float] = []
+    increment = PrefectClient.increment_concurrency_slots_with_lease
+
+    async def late(self: PrefectClient, *args: Any, **kwargs: Any) -> Any:
+        response = await increment(self, *args, **kwargs)
+        if response.is_success:
+            granted.append(time.monotonic())
+            await asyncio.sleep(1.5)
+        return response
+
+    monkeypatch.setattr(PrefectClient, "increment_concurrency_slots_with_lease", late)
+    return granted
+
+
+def test_a_grant_answered_after_the_wait_step_is_taken_not_lost(
+    prefect_api: None, name: str, late_grants: list[float]
+) -> None:
+    """A wait step that runs out while the granting request is in flight must not cut it short:
+    the slot would then be held by a lease nobody knows, the rule taken until a repossessor frees
+    it (for good on the harness's API). Prefect's own acquirer, with its timeout, lost it."""
+    started = time.monotonic()
+    lease = _take(name, timeout=0.5)
+    assert late_grants and time.monotonic() - started > 1.5  # the step ran out mid-request
+    assert _active_slots(name) == 1
+    _release(lease)
+    assert _active_slots(name) == 0
+
+
+def test_a_waiter_cancelled_while_its_grant_is_in_flight_gives_the_slot_back(
+    prefect_api: None, name: str, late_grants: list[float]
+) -> None:
+    async def cancelled_mid_request() -> None:
+        taking = asyncio.ensure_future(acquire_lease(name, timeout_seconds=30, lease_seconds=LEASE_SECONDS))
+        while not late_grants:
+            await asyncio.sleep(0.01)
+        taking.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await taking
+
+    asyncio.run(cancelled_mid_request())
+    assert late_grants  # granted, then cancelled before the answer came
+    assert _active_slots(name) == 0
+
+
+def test_a_taken_slot_times_out_after_the_wait_step(prefect_api: None, name: str) -> None:
+    lease = _take(name)
+    started = time.monotonic()
+    assert _try_take(name, timeout=1.0) is None
+    assert 1.0 <= time.monotonic() - started < 10
+    assert _active_slots(name) == 1
+    _release(lease)

@@ -29,8 +29,7 @@ from delivery.store.breaker import DatabaseBreakerStorage
 from delivery.store.tables import breaker_states, connections, rules
 from flows.cli import app
 from flows.deliver_rule import deliver_rule, fault_state_name, records_artifact_key
-from flows.lock import LEASE_SECONDS
-from flows.prefect_private import acquire_lease
+from flows.lock import LEASE_SECONDS, acquire_lease
 from tests.integration.locks import own_rule_lock
 from tests.integration.runs import run_artifacts, run_logs, run_state
 from tests.integration.world import RULE, World

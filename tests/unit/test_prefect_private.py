@@ -8,25 +8,10 @@ import ast
 import importlib
 import inspect
 from pathlib import Path
-from uuid import UUID
-
-from prefect.client.schemas.responses import ConcurrencyLimitWithLeaseResponse
 
 import flows.prefect_private
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def test_the_lease_acquirer_takes_what_we_pass() -> None:
-    from prefect.concurrency._asyncio import aacquire_concurrency_slots_with_lease
-
-    assert inspect.iscoroutinefunction(aacquire_concurrency_slots_with_lease)
-    parameters = inspect.signature(aacquire_concurrency_slots_with_lease).parameters
-    assert list(parameters)[:2] == ["names", "slots"]  # passed by position
-    for keyword in ("timeout_seconds", "lease_duration", "strict"):
-        assert keyword in parameters, keyword
-    # What it returns carries the lease id the lock records.
-    assert ConcurrencyLimitWithLeaseResponse.model_fields["lease_id"].annotation is UUID
 
 
 def test_the_ephemeral_servers_are_where_we_look_for_them() -> None:
