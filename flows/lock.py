@@ -71,8 +71,12 @@ LEASE_SECONDS = 60.0  # Prefect's minimum: a killed holder's slot is repossessed
 UNACCOUNTED_SECONDS = LEASE_SECONDS + 15.0
 
 
+#: Every rule's lock is the Prefect global concurrency limit named this prefix + the rule's name.
+LOCK_PREFIX = "delivery-rule-"
+
+
 def lock_name(rule: str) -> str:
-    return f"delivery-rule-{rule}"
+    return LOCK_PREFIX + rule
 
 
 def _wait_step() -> float:

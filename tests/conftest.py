@@ -43,9 +43,6 @@ hypothesis_settings.register_profile(
 )
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-#: Every rule's lock is a Prefect global concurrency limit named so (flows.lock.lock_name).
-RULE_LOCK_PREFIX = "delivery-rule-"
-
 POSTGRES_URL = os.environ.get("DELIVERY_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
@@ -140,12 +137,14 @@ def prefect_api(_prefect_harness: None) -> None:
     server and waits for a repossession that never comes (seen in CI: a run waiting 300 s)."""
     from prefect import get_client
 
+    from flows.lock import LOCK_PREFIX
+
     with get_client(sync_client=True) as client:
         names: list[str] = []
         while page := client.read_global_concurrency_limits(limit=200, offset=len(names)):
             names += [limit.name for limit in page]
         for name in names:
-            if name.startswith(RULE_LOCK_PREFIX):
+            if name.startswith(LOCK_PREFIX):
                 client.delete_global_concurrency_limit_by_name(name)
 
 
