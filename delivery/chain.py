@@ -33,6 +33,7 @@ from delivery.domain import (
     Cursor,
     LedgerRow,
     LedgerStatus,
+    LeftBehind,
     Phase,
     Rule,
     SettleMode,
@@ -251,6 +252,7 @@ class Chain:
             if status is not None:
                 report.attempted += 1
                 report.counts[status.value] += 1
+        report.left_behind = self._left_behind(candidates, attempted)
         if ended is ChainEnd.SUPERSEDED:
             return self._superseded(report)
         if ended is ChainEnd.BREAKER_OPEN:
@@ -273,6 +275,34 @@ class Chain:
                 self.heartbeat(conn, every=0)
         self.report.add(report)
         return report
+
+    def _left_behind(self, candidates: list[Candidate], statuses: list[LedgerStatus | None]) -> list[LeftBehind]:
+        """The job's records that were parked or left failed, with their errors as settled (read
+        back only when there are any: a clean job costs no query)."""
+        left = [(c, s) for c, s in zip(candidates, statuses, strict=True) if s in ledger.LEFT_BEHIND]
+        if not left:
+            return []
+        with self.engine.connect().execution_options(readonly=True) as conn:
+            rows = ledger.left_behind_of(conn, self.rule.id, [c.record.id for c, _ in left])
+        return [
+            LeftBehind(
+                c.record.external_id,
+                status,
+                getattr(rows.get(c.record.id), "last_error", None),
+                getattr(rows.get(c.record.id), "next_attempt_at", None),
+            )
+            for c, status in left
+            if status is not None
+        ]
+
+    def has_work(self, phase: Phase) -> bool:
+        """Whether the phase's next page would offer anything, read without the lock: a hint that
+        spares a job (and its Prefect task) that would find nothing. A record that turns up just
+        after it is read waits for the next chain, as one after an empty page does."""
+        with self.engine.connect().execution_options(readonly=True) as conn:
+            if phase is Phase.DRAIN:
+                return bool(ledger.drain_page(conn, self.rule, self.started_at, 1))
+            return bool(ledger.scan_page(conn, self.rule, self._scan_from, 1))
 
     def _work(self, candidates: list[Candidate], phase: Phase) -> tuple[list[LedgerStatus | None], ChainEnd | None]:
         """Deliver and settle the candidates, `rule.concurrency` at a time (1: strictly in order).

@@ -273,6 +273,17 @@ class Outcome:
     in_doubt: bool = False
 
 
+@dataclass(frozen=True)
+class LeftBehind:
+    """A record a job parked (exhausted, remote_gone) or left failed, with its error and, for a
+    failed one, when its next attempt is due."""
+
+    external_id: str
+    status: LedgerStatus
+    error: str | None
+    next_attempt_at: datetime | None = None
+
+
 @dataclass
 class BatchReport:
     phase: Phase
@@ -281,6 +292,8 @@ class BatchReport:
     ended_by: ChainEnd | None = None
     message: str | None = None
     cursor_after: Cursor | None = None
+    #: The records this job parked or left failed, each with why: an operator is told of each one.
+    left_behind: list[LeftBehind] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:

@@ -64,14 +64,21 @@ class UnknownName(InputError):
 class RuleFault(DeliveryError):
     """A fault that would fall the same way for every record of the rule: the chain ends."""
 
+    #: What an operator does about it, in a few words: the chain's one ERROR line ends with it.
+    remedy = "fix the cause, then run the rule again (`delivery run RULE`, or Retry on its run)"
+
 
 class MissingWriter(RuleFault):
+    remedy = "give the target a driver that has a writer (`delivery apply`), then run the rule again"
+
     def __init__(self, rule: str, driver: str | None) -> None:
         what = "the target has no driver" if driver is None else f"no writer is registered for target driver {driver!r}"
         super().__init__(f"rule {rule!r}: {what}")
 
 
 class UnsupportedDeliveryVerb(RuleFault):
+    remedy = "change the rule's policy or the target's driver to one that offers the verb (`delivery apply`)"
+
     def __init__(self, rule: str, driver: str | None, verb: str) -> None:
         super().__init__(
             f"rule {rule!r}: the writer for driver {driver!r} does not offer the {verb!r} verb the rule needs"
@@ -79,16 +86,22 @@ class UnsupportedDeliveryVerb(RuleFault):
 
 
 class LedgerRowConflict(RuleFault):
+    remedy = "an invariant of the ledger broke: report it with this run's id; the rule stops until it is fixed"
+
     def __init__(self, rule: str, external_id: str) -> None:
         super().__init__(f"rule {rule!r}: a ledger row for record {external_id!r} exists where the scan saw none")
 
 
 class UnexpectedCandidate(RuleFault):
+    remedy = "an invariant of the scan broke: report it with this run's id; the rule stops until it is fixed"
+
     def __init__(self, rule: str, external_id: str, why: str) -> None:
         super().__init__(f"rule {rule!r}: candidate record {external_id!r} should never have been offered: {why}")
 
 
 class MissingCredential(RuleFault):
+    remedy = "set the variable or create the Secret block, then run the rule again (or Retry this run)"
+
     def __init__(
         self,
         rule: str,
@@ -104,6 +117,8 @@ class MissingCredential(RuleFault):
 
 
 class UnusableCredential(RuleFault):
+    remedy = "store the token without line breaks, spaces or non-ASCII characters, then run the rule again"
+
     def __init__(self, rule: str, connection: str, source: str, why: str) -> None:
         # Names where the token comes from and what is wrong with it, never the token.
         super().__init__(f"rule {rule!r}: target {connection!r} takes its token from {source}, {why}")
@@ -112,6 +127,8 @@ class UnusableCredential(RuleFault):
 class Unauthorized(RuleFault):
     """The target refused the credentials: every record of the rule would be refused alike, so the
     chain ends and nothing is written for the record that met it (no attempt is spent)."""
+
+    remedy = "check the token and its permissions at the target, then run the rule again (or Retry this run)"
 
     def __init__(self, connection: str, source: str | None, answer: str, rule: str | None = None) -> None:
         # Names the connection and where its token comes from, never the token.

@@ -9,18 +9,22 @@ attempt would meet again (ADR-0029).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import shlex
 import traceback
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 from uuid import UUID
 
 import anyio
-from prefect import flow, get_client, get_run_logger, task
+from prefect import flow, get_client, get_run_logger, tags, task
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas import State
+from prefect.context import FlowRunContext
 from prefect.events import emit_event
 from prefect.exceptions import Abort, CancelledRun, TerminationSignal
 from prefect.runtime import flow_run
@@ -31,6 +35,7 @@ from delivery.alerts import TELLING, transition
 from delivery.chain import Chain
 from delivery.db import shared_engine
 from delivery.domain import BatchReport, ChainEnd, ChainReport, LedgerStatus, Phase
+from delivery.errors import RuleFault
 from delivery.settings import settings
 from delivery.store import chains, ledger
 from flows.breaker_events import RunBreakerListener
@@ -81,18 +86,40 @@ def delivery_batch(token: str, phase: Phase) -> BatchReport:
     return _chains[token].run_batch(phase)
 
 
+def tally(counts: Mapping[str, int]) -> str:
+    """`4 delivered, 1 exhausted`: counts in words, in the ledger's order of statuses."""
+    return ", ".join(f"{counts[s.value]} {s.value}" for s in LedgerStatus if counts.get(s.value)) or "nothing"
+
+
+def _tell_left_behind(logger: Any, rule: str, report: BatchReport) -> None:
+    """One WARNING per record the job parked or left failed, with why: parking is never silent."""
+    for left in report.left_behind:
+        why = " ".join((left.error or "no error recorded").split())[:300]
+        if left.status is LedgerStatus.FAILED:
+            due = left.next_attempt_at.isoformat(timespec="seconds") if left.next_attempt_at else "not set"
+            logger.warning("rule %s: record %s failed, next attempt %s: %s", rule, left.external_id, due, why)
+        else:
+            logger.warning("rule %s: record %s parked as %s: %s", rule, left.external_id, left.status.value, why)
+
+
 async def _run_phase(token: str, phase: Phase) -> ChainEnd | None:
     chain = _chains[token]
     logger = get_run_logger()
+    chain_logger = _run_loggers.get(token) or logger
     batch = delivery_batch.with_options(timeout_seconds=batch_timeout_seconds())
     number = 0
-    while True:
+    # A job only when its page has something (read without the lock, a hint): no empty task runs and
+    # no "0 attempted" lines. The lock's holder decides for good; an emptied page returns at once.
+    while chain.has_work(phase):
         number += 1
         async with rule_lock(chain, _run_loggers.get(token)):  # one job of the rule at a time; waiting writes nothing
             report = batch.with_options(task_run_name=f"{phase.value}-batch-{number}")(token, phase)
-        logger.info("%s batch %d: %d attempted %s", phase.value, number, report.attempted, dict(report.counts))
+        if report.attempted:
+            logger.info("%s batch %d: %d records: %s", phase.value, number, report.attempted, tally(report.counts))
+        _tell_left_behind(chain_logger, chain.rule.name, report)
         if report.ends_phase(chain.rule.batch_size):
             return report.ended_by
+    return None
 
 
 async def _run_subflow(token: str, phase: Phase) -> ChainEnd | State[Any] | None:
@@ -225,23 +252,102 @@ def _announce(chain: Chain, report: ChainReport) -> None:
     )
 
 
+def rule_tags(chain: Chain) -> list[str]:
+    return [f"rule:{chain.rule.name}", f"target:{chain.rule.target.name}"]
+
+
 async def _label_run(chain: Chain) -> None:
     """Name and tag the run after the rule and target, so operators can filter on them."""
     run_id = flow_run.get_id()
     if run_id is None:
         return
     name = f"{chain.rule.name} -> {chain.rule.target.name}"
-    tags = sorted({*flow_run.get_tags(), f"rule:{chain.rule.name}", f"target:{chain.rule.target.name}"})
+    tags = sorted({*flow_run.get_tags(), *rule_tags(chain)})
     if flow_run.get_name() == name and set(tags) <= set(flow_run.get_tags()):
         return  # created so by the tick (flow_run_name, tags): nothing to rename afterwards
     async with get_client() as client:
         await client.update_flow_run(UUID(run_id), name=name, tags=tags)
 
 
+def ending_tags(report: ChainReport, fault: str | None = None) -> list[str]:
+    """Tags that say how the chain ended, for the runs list and its tag filter: `ended:ENDING`
+    always, `fault:CLASS` for a rule fault, `parked:N` and `failed:N` for records it parked or left
+    failed. The state name alone does not serve: Prefect's state filter and its automations know
+    only their own state names (a Failed run named otherwise is not found as Failed)."""
+    tags = [f"ended:{report.ended_by.value}"]
+    if fault is not None:
+        tags.append(f"fault:{fault}")
+    parked = report.counts.get(LedgerStatus.EXHAUSTED.value, 0) + report.counts.get(LedgerStatus.REMOTE_GONE.value, 0)
+    if parked:
+        tags.append(f"parked:{parked}")
+    if failed := report.counts.get(LedgerStatus.FAILED.value, 0):
+        tags.append(f"failed:{failed}")
+    return tags
+
+
+async def _tag_ending(chain: Chain, report: ChainReport, fault: str | None = None) -> None:
+    run_id = flow_run.get_id()
+    if run_id is None:
+        return
+    tags = sorted({*flow_run.get_tags(), *rule_tags(chain), *ending_tags(report, fault)})
+    async with get_client() as client:
+        await client.update_flow_run(UUID(run_id), tags=tags)
+
+
+#: The flow run's context key under which the tick hands a launched run its chain token (see
+#: `launch_context`). Not a parameter: the Run form has no use for it, and a Retry must not reuse it.
+CHAIN_TOKEN_KEY = "delivery_chain_token"
+#: The same hand-over for a chain the tick runs in its own process (no deployment to launch).
+_launched_token: ContextVar[str | None] = ContextVar("delivery_launched_token", default=None)
+
+
+def launch_context(token: str) -> dict[str, str]:
+    """The context a launched `deliver-rule` run is created with: the chain the tick recorded."""
+    return {CHAIN_TOKEN_KEY: token}
+
+
+@contextlib.contextmanager
+def launched(token: str) -> Iterator[None]:
+    """Run `deliver_rule` in this process as the launch of the chain recorded as `token`."""
+    reset = _launched_token.set(token)
+    try:
+        yield
+    finally:
+        _launched_token.reset(reset)
+
+
+def _launch_token() -> str | None:
+    context = FlowRunContext.get()
+    run = context.flow_run if context is not None else None
+    token = (run.context or {}).get(CHAIN_TOKEN_KEY) if run is not None else None
+    return token if isinstance(token, str) else _launched_token.get()
+
+
+def _start_chain(rule: str, run_id: str | None, listeners: list[RunBreakerListener]) -> Chain | State[Any]:
+    """The run's chain: the one the tick recorded when it launched this run, or a fresh one for a
+    run started by hand. A launch whose chain has ended (the tick judged it dead before it ran) is
+    superseded; but a run that ran before (Prefect's Retry, run count 2 and up) starts a fresh chain
+    of its rule, so that a retry delivers as the first run would have."""
+    token = _launch_token()
+    if token is not None:
+        try:
+            return Chain(shared_engine(), rule, flow_run_id=run_id, token=token, breaker_listeners=listeners)
+        except LookupError as exc:
+            if flow_run.get_run_count() <= 1:
+                return Completed(message=f"superseded before it started: {exc}", name=STATE_NAMES[ChainEnd.SUPERSEDED])
+            get_run_logger().info("rule %s: this run is a retry; its first chain has ended, a fresh one starts", rule)
+    return Chain(shared_engine(), rule, flow_run_id=run_id, breaker_listeners=listeners)
+
+
 @flow(name="deliver-rule", retries=0, log_prints=False)
-async def deliver_rule(rule: str, chain_token: str | None = None) -> State[Any]:
-    """One chain of `rule`: health gate, breaker check, drain, scan. `chain_token` is given by the
-    tick, which records the chain when it launches the run."""
+async def deliver_rule(rule: str) -> State[Any]:
+    """One chain of a delivery rule: health gate, breaker check, drain (due retries), then scan
+    (fresh changes). Nothing is sent that the rule's policy forbids; each record's outcome is in
+    its ledger row.
+
+    Args:
+        rule: The rule's name, as `delivery rules` lists it (e.g. contacts-to-crm).
+    """
     logger = get_run_logger()
     # A bad DELIVERY_* value fails the run here, before a chain exists: it is no fault of the rule,
     # and a chain it stopped midway would be recorded and alerted on as one.
@@ -249,10 +355,9 @@ async def deliver_rule(rule: str, chain_token: str | None = None) -> State[Any]:
     run_id = flow_run.get_id()
     # The breaker's trips reach this run's log (and Prefect's events) from the chain's workers.
     breakers = RunBreakerListener(rule, run_id, logger)
-    try:
-        chain = Chain(shared_engine(), rule, flow_run_id=run_id, token=chain_token, breaker_listeners=[breakers])
-    except LookupError as exc:  # the tick judged this launch dead before it got to run
-        return Completed(message=f"superseded before it started: {exc}", name=STATE_NAMES[ChainEnd.SUPERSEDED])
+    chain = _start_chain(rule, run_id, [breakers])
+    if not isinstance(chain, Chain):
+        return chain
     _chains[chain.token] = chain
     _run_loggers[chain.token] = logger  # type: ignore[assignment]
     try:
@@ -260,36 +365,57 @@ async def deliver_rule(rule: str, chain_token: str | None = None) -> State[Any]:
         # A subflow's Cancelled state reaches us as CancelledRun, never as a value.
         # The token is read now, from a Secret block too: a token changed in the UI counts from this chain.
         ended: ChainEnd | State[Any] | None = chain.open(secrets=read_secret_block)
-        if ended is None:
-            ended = await drain(chain.token)
-        if ended is None:
-            ended = await scan(chain.token)
+        with tags(*rule_tags(chain)):
+            if ended is None:
+                ended = await drain.with_options(flow_run_name=f"{rule} · drain")(chain.token)
+            if ended is None:
+                ended = await scan.with_options(flow_run_name=f"{rule} · scan")(chain.token)
     except CANCELLATIONS as exc:
         return await _cancelled(chain, exc)
     except BaseException as exc:
         report = chain.finish(exc)
-        await _publish(report)
-        await _publish_records(chain)
-        _announce(chain, report)
         if not isinstance(exc, Exception):
+            await _close(chain, report)
             raise  # not a fault of the rule (e.g. GeneratorExit): Prefect judges it
-        # Redacted: Prefect's own traceback of a raised exception would carry its text unmasked.
-        detail = chain.redact("".join(traceback.format_exception(exc)))
-        logger.error("chain of %s failed: %s\n%s", rule, report.message, detail)
-        # Returned, not raised: the Failed run is named after the fault's class, so the run list
-        # tells a MissingWriter from a MissingCredential. The exception stays the state's data, so
-        # a caller awaiting the flow's result still gets it raised.
-        return Failed(name=fault_state_name(exc), message=report.message, data=exc)
+        fault = fault_state_name(exc)
+        await _close(chain, report, fault)
+        message = report.message if report.message.startswith(f"{fault}:") else f"{fault}: {report.message}"
+        remedy = getattr(exc, "remedy", None)
+        if isinstance(exc, RuleFault | TimeoutError):
+            # The fault says it all: one line, no traceback (its text is redacted already).
+            logger.error("chain of %s failed: %s. What to do: %s", rule, message, remedy or TIMED_OUT_REMEDY)
+        else:
+            # Not a fault the engine names: the traceback is for whoever looks into it. Redacted:
+            # Prefect's own traceback of a raised exception would carry its text unmasked.
+            detail = chain.redact("".join(traceback.format_exception(exc)))
+            logger.error("chain of %s failed on an unexpected error: %s\n%s", rule, message, detail)
+        # Returned, not raised, and named plainly `Failed`, so Prefect's Failed filter and automations
+        # find it; the fault's class is the tag `fault:CLASS` and the message's first word. The
+        # exception stays the state's data, so a caller awaiting the flow's result still gets it raised.
+        return Failed(message=message, data=exc)
     finally:
         _chains.pop(chain.token, None)
         _run_loggers.pop(chain.token, None)
     report = chain.finish()
+    await _close(chain, report)
+    logger.info("chain of %s ended by %s: %s", rule, report.ended_by.value, report.message)
+    return Completed(message=report.message, data=report.as_json(), name=STATE_NAMES.get(report.ended_by, "Completed"))
+
+
+#: What to do about a job that ran out of time (a timeout is no RuleFault, so it has no remedy).
+TIMED_OUT_REMEDY = (
+    "a job ran longer than DELIVERY_BATCH_TIMEOUT_SECONDS; raise it, or lower the rule's batch size or the "
+    "target's timeout, then run the rule again"
+)
+
+
+async def _close(chain: Chain, report: ChainReport, fault: str | None = None) -> None:
+    """Everything a chain's end publishes: its report, the records it left, how it ended as tags,
+    and the rule's health event."""
     await _publish(report)
     await _publish_records(chain)
+    await _tag_ending(chain, report, fault)
     _announce(chain, report)
-    message = report.message
-    logger.info("chain of %s ended by %s: %s", rule, report.ended_by.value, message)
-    return Completed(message=message, data=report.as_json(), name=STATE_NAMES.get(report.ended_by, "Completed"))
 
 
 async def _cancelled(chain: Chain, exc: BaseException) -> State[Any]:

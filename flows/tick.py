@@ -26,7 +26,6 @@ from uuid import UUID
 from prefect import flow, get_client, get_run_logger, tags
 from prefect.artifacts import acreate_table_artifact
 from prefect.client.schemas import State
-from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from prefect.states import Cancelled, Cancelling, Completed, Failed
 
@@ -37,7 +36,7 @@ from delivery.errors import InputError
 from delivery.settings import dead_chain_minutes
 from delivery.status import flat_rows, overview
 from delivery.tick import Launch, TickOutcome, attach_flow_run, dead_after, plan_tick, record_launch
-from flows.deliver_rule import deliver_rule
+from flows.deliver_rule import deliver_rule, launch_context, launched
 
 DELIVER_RULE_DEPLOYMENT = "deliver-rule/deliver-rule"
 STATUS_ARTIFACT_KEY = "delivery-status"
@@ -63,16 +62,19 @@ async def _cancel(flow_run_id: str, message: str) -> None:
 
 async def _launch(launch: Launch, token: str) -> dict[str, Any]:
     """Create the chain's run of the `deliver-rule` deployment, named and tagged from the start."""
-    run = await run_deployment(  # type: ignore[misc]
-        DELIVER_RULE_DEPLOYMENT,
-        parameters={"rule": launch.rule, "chain_token": token},
-        flow_run_name=launch.run_name,
-        # The chain token: a launch retried after a lost answer finds the run it made, not a second one.
-        idempotency_key=token,
-        timeout=0,
-        as_subflow=False,
-        tags=launch.tags,
-    )
+    async with get_client() as client:
+        deployment = await client.read_deployment_by_name(DELIVER_RULE_DEPLOYMENT)
+        run = await client.create_flow_run_from_deployment(
+            deployment.id,
+            parameters={"rule": launch.rule},
+            # The chain goes in the run's context, not its parameters: the Run form and a Retry
+            # have no use for it (a retried run starts a fresh chain, see flows.deliver_rule).
+            context=launch_context(token),
+            name=launch.run_name,
+            # The chain token: a launch retried after a lost answer finds the run it made, not a second one.
+            idempotency_key=token,
+            tags=launch.tags,  # the server adds the deployment's own
+        )
     return {"flow_run_id": str(run.id), "chain_state": run.state.type.value if run.state else None}
 
 
@@ -126,9 +128,9 @@ async def delivery_tick(dead_after_minutes: float | None = None) -> State[Any]:
             outcome.started[launch.rule] = {"chain_token": token, **started}
             logger.info("rule %s: started chain as flow run %s", launch.rule, started["flow_run_id"])
         else:
-            with tags(*launch.tags):
+            with tags(*launch.tags), launched(token):
                 state = await deliver_rule.with_options(flow_run_name=launch.run_name)(
-                    rule=launch.rule, chain_token=token, return_state=True
+                    rule=launch.rule, return_state=True
                 )
             outcome.started[launch.rule] = {
                 "chain_token": token,

@@ -332,3 +332,88 @@ def left_behind_since(
     )
     counts = conn.execute(sa.select(ledger.c.status, sa.func.count()).where(*where).group_by(ledger.c.status))
     return [row._asdict() for row in rows], {status: n for status, n in counts}
+
+
+def left_behind_of(conn: sa.Connection, rule_id: int, record_ids: Sequence[int]) -> dict[int, Any]:
+    """The error and next attempt of the rule's rows for these records (one job's worth: a seek on
+    the (rule, record) key), by record id."""
+    if not record_ids:
+        return {}
+    rows = conn.execute(
+        sa.select(ledger.c.record_id, ledger.c.last_error, ledger.c.next_attempt_at).where(
+            ledger.c.rule_id == rule_id, ledger.c.record_id.in_(list(record_ids))
+        )
+    )
+    return {row.record_id: row for row in rows}
+
+
+#: A rule's parked set as an operator is shown it: the parked (terminal) rows, and the failed ones
+#: waiting for their next attempt.
+PARKED_SET = (LedgerStatus.EXHAUSTED, LedgerStatus.REMOTE_GONE, LedgerStatus.FAILED)
+
+
+def _latest_in_parked_set(rule_id: int, columns: Sequence[Any], limit: int, *, with_record: bool) -> sa.Select[Any]:
+    """The rule's `limit` rows of the parked set changed last, most recent first: one backward seek
+    of `ix_ledger_rule_id_status_updated_at_id` per status (each reading at most `limit` rows),
+    merged. A single query over the three statuses would sort every parked row of the rule."""
+    source = ledger.join(mirror_records, mirror_records.c.id == ledger.c.record_id) if with_record else ledger
+    parts = [
+        sa.select(*columns, ledger.c.updated_at.label("changed_at"), ledger.c.id.label("row_id"))
+        .select_from(source)
+        .where(ledger.c.rule_id == rule_id, ledger.c.status == status.value)
+        .order_by(ledger.c.updated_at.desc(), ledger.c.id.desc())
+        .limit(limit)
+        .subquery()
+        for status in PARKED_SET
+    ]
+    merged = sa.union_all(*(sa.select(part) for part in parts)).subquery()
+    return sa.select(merged).order_by(merged.c.changed_at.desc(), merged.c.row_id.desc()).limit(limit)
+
+
+def parked_counts(conn: sa.Connection, rule_id: int) -> dict[str, int]:
+    """How many rows of the rule's parked set there are in each status (every status of
+    `PARKED_SET` present, 0 when none), counted on the index alone."""
+    rows = conn.execute(
+        sa.select(ledger.c.status, sa.func.count())
+        .where(ledger.c.rule_id == rule_id, ledger.c.status.in_([s.value for s in PARKED_SET]))
+        .group_by(ledger.c.status)
+    )
+    counts = {status.value: 0 for status in PARKED_SET}
+    counts.update({status: n for status, n in rows})
+    return counts
+
+
+def parked_latest(conn: sa.Connection, rule_id: int, limit: int) -> list[dict[str, Any]]:
+    """The rule's parked and failed rows changed last, most recent first, the first `limit` of them:
+    external id, status, attempts, last error, next attempt (failed rows) and `updated_at`, the time
+    of the row's last change."""
+    query = _latest_in_parked_set(
+        rule_id,
+        [
+            mirror_records.c.external_id,
+            ledger.c.status,
+            ledger.c.attempts,
+            ledger.c.last_error,
+            ledger.c.next_attempt_at,
+        ],
+        limit,
+        with_record=True,
+    )
+    return [
+        {
+            "external_id": row.external_id,
+            "status": row.status,
+            "attempts": row.attempts,
+            "last_error": row.last_error,
+            "next_attempt_at": row.next_attempt_at,
+            "updated_at": row.changed_at,
+        }
+        for row in conn.execute(query)
+    ]
+
+
+def parked_errors(conn: sa.Connection, rule_id: int, limit: int) -> list[tuple[str, str | None]]:
+    """(status, last error) of the rule's `limit` parked and failed rows changed last: what their
+    reasons are counted from, read with the same seeks as `parked_latest`."""
+    query = _latest_in_parked_set(rule_id, [ledger.c.status, ledger.c.last_error], limit, with_record=False)
+    return [(row.status, row.last_error) for row in conn.execute(query)]

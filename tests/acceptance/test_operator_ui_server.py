@@ -106,7 +106,7 @@ def test_states_records_logs_and_one_breaker_event_on_a_real_server(world: World
 
     world.set_driver("soap")
     failed = world.run()
-    assert failed["state"] == "FAILED" and run_state(failed["flow_run_id"]) == ("FAILED", "MissingWriter")
+    assert failed["state"] == "FAILED" and run_state(failed["flow_run_id"]) == ("FAILED", "Failed")
     world.set_driver("rest")
 
     world.apply(rule={"concurrency": 3})

@@ -31,6 +31,7 @@ import yaml
 from delivery.apply import apply_config
 from delivery.config import parse_config
 from delivery.store.tables import chains
+from flows.deliver_rule import CHAIN_TOKEN_KEY
 from tests.integration.world import RULE, World
 from tests.prefect_server import prefect_server
 from tests.target_server import TargetServer
@@ -122,7 +123,11 @@ def test_a_tick_names_its_chains_runs_keys_them_by_chain_token_and_publishes_the
     assert run.name == f"{RULE} -> crm"
     assert run.idempotency_key == started["chain_token"]
     assert {f"rule:{RULE}", "target:crm"} <= set(run.tags)
-    assert run.parameters == {"rule": RULE, "chain_token": started["chain_token"]}
+    # The chain goes in the run's context: the Run form (and a Retry) never carries it.
+    assert run.parameters == {"rule": RULE}
+    assert run.context[CHAIN_TOKEN_KEY] == started["chain_token"]
+    assert set(deployment.parameter_openapi_schema["properties"]) == {"rule"}
+    assert deployment.parameter_openapi_schema["properties"]["rule"]["description"]
     with world.engine.connect() as conn:
         chain = conn.execute(sa.select(chains).where(chains.c.token == started["chain_token"])).one()
     assert chain.flow_run_id == started["flow_run_id"] and chain.ended_at is None
@@ -189,3 +194,48 @@ def test_a_tick_run_started_while_another_holds_the_slot_is_cancelled(api: str) 
         return seen
 
     assert _call(scenario) == ["PENDING", "RUNNING", "CANCELLED", "COMPLETED", "PENDING"]
+
+
+def _execute(flow_run_id: str, env: dict[str, str]) -> None:
+    """Run a flow run of the deployment as a worker's process does (`prefect flow-run execute`)."""
+    done = subprocess.run(
+        [*PREFECT, "flow-run", "execute", flow_run_id], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode in (0, 1), f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+
+
+def test_retry_from_the_ui_starts_a_fresh_chain_that_delivers(
+    world: World, server_env: dict[str, str], tmp_path: Path
+) -> None:
+    from prefect.states import Scheduled
+
+    from flows.tick import run_tick
+
+    without_token = {k: v for k, v in server_env.items() if k != "CRM_TOKEN"}
+    without_token["DELIVERY_DATABASE_URL"] = os.environ["DELIVERY_DATABASE_URL"]
+    env = {**without_token, "CRM_TOKEN": os.environ["CRM_TOKEN"]}
+    started = next(r for r in run_tick()["rules"] if r["rule"] == RULE)
+    run_id = started["flow_run_id"]
+
+    _execute(run_id, without_token)  # the token is missing: the chain fails
+    run = _call(lambda client: client.read_flow_run(UUID(run_id)))
+    assert (run.state.type.value, run.state.name) == ("FAILED", "Failed")
+    assert "fault:MissingCredential" in run.tags and run.state.message.startswith("MissingCredential:")
+    assert world.target.records("contacts") == {}
+
+    # The operator fixes the token and presses Retry: the UI proposes this very state.
+    _call(
+        lambda client: client.set_flow_run_state(
+            UUID(run_id), Scheduled(name="AwaitingRetry", message="Retry from the UI"), force=False
+        )
+    )
+    _execute(run_id, env)
+    run = _call(lambda client: client.read_flow_run(UUID(run_id)))
+    assert (run.state.type.value, run.state.name) == ("COMPLETED", "CaughtUp"), run.state
+    assert run.run_count == 2
+    assert len(world.target.records("contacts")) == 1  # delivered by the retry
+    with world.engine.connect() as conn:
+        mine = conn.execute(sa.select(chains).where(chains.c.flow_run_id == run_id).order_by(chains.c.started_at)).all()
+    # The launch's chain ended with the fault; the retry ran a fresh chain of its own, which caught up.
+    assert [c.token == started["chain_token"] for c in mine] == [True, False]
+    assert mine[-1].ended_by == "caught_up"

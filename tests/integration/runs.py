@@ -53,3 +53,32 @@ def run_artifacts(flow_run_id: str) -> dict[str, Any]:
         return {a.key: a for a in artifacts if a.key}
 
     return asyncio.run(read())
+
+
+def run_tags(flow_run_id: str) -> set[str]:
+    """A flow run's tags, as the API holds them."""
+    from prefect import get_client
+
+    async def read() -> set[str]:
+        async with get_client() as client:
+            return set((await client.read_flow_run(UUID(flow_run_id))).tags)
+
+    return asyncio.run(read())
+
+
+def child_runs(flow_run_id: str) -> list[Any]:
+    """The subflow runs of a flow run (drain, scan), oldest first."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    async def read() -> list[Any]:
+        async with get_client() as client:
+            return await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[UUID(flow_run_id)])
+                ),
+                sort=FlowRunSort.START_TIME_ASC,
+            )
+
+    return asyncio.run(read())

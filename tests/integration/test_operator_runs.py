@@ -28,10 +28,10 @@ from delivery.store import catalog, chains
 from delivery.store.breaker import DatabaseBreakerStorage
 from delivery.store.tables import breaker_states, connections, rules
 from flows.cli import app
-from flows.deliver_rule import deliver_rule, fault_state_name, records_artifact_key
+from flows.deliver_rule import deliver_rule, fault_state_name, launched, records_artifact_key
 from flows.lock import LEASE_SECONDS, acquire_lease
 from tests.integration.locks import own_rule_lock
-from tests.integration.runs import run_artifacts, run_logs, run_state
+from tests.integration.runs import child_runs, run_artifacts, run_logs, run_state, run_tags
 from tests.integration.world import RULE, World
 from tests.target_server import Answer, TargetServer
 
@@ -81,18 +81,27 @@ def test_each_way_a_chain_ends_completed_has_a_state_name_of_its_own(world: Worl
     with world.engine.begin() as conn:
         token = chains.start_chain(conn, rule_id, None, utcnow())
         chains.supersede(conn, rule_id, token, utcnow(), "judged dead by the tick")
-    state = asyncio.run(deliver_rule(rule=RULE, chain_token=token, return_state=True))  # type: ignore[call-overload]
+    with launched(token):
+        state = asyncio.run(deliver_rule(rule=RULE, return_state=True))  # type: ignore[call-overload]
     assert run_state(str(state.state_details.flow_run_id)) == ("COMPLETED", "Superseded")
 
 
-def test_a_failed_chain_is_named_after_the_fault_of_the_rule(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_chain_is_a_plain_failed_run_tagged_with_the_fault_of_the_rule(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
     world.load("a")
     world.set_driver("soap")
     result = world.run()
     # What `delivery run --json` prints is unchanged.
     assert result["state"] == "FAILED" and result["ended_by"] == "rule_fault"
     assert result["message"].startswith("MissingWriter:")
-    assert run_state(result["flow_run_id"]) == ("FAILED", "MissingWriter")
+    # Named `Failed`, as Prefect's state filter and its automations (`prefect.flow-run.Failed`) know
+    # it; the fault's class is a tag and the message's first word.
+    assert run_state(result["flow_run_id"]) == ("FAILED", "Failed")
+    assert {"fault:MissingWriter", "ended:rule_fault", f"rule:{RULE}", "target:crm"} <= run_tags(result["flow_run_id"])
+    # One ERROR line saying the fault, the rule and what to do; no traceback for a fault the engine names.
+    errors = [line for line in run_logs(result["flow_run_id"]) if "failed" in line and RULE in line]
+    assert len(errors) == 1 and "What to do:" in errors[0] and "Traceback" not in errors[0], errors
     # The run is Failed without the flow raising; whoever awaits its result still gets the fault.
     with pytest.raises(MissingWriter):
         asyncio.run(deliver_rule(rule=RULE))  # type: ignore[call-overload]
@@ -100,8 +109,70 @@ def test_a_failed_chain_is_named_after_the_fault_of_the_rule(world: World, monke
     world.set_driver("rest")
     monkeypatch.delenv("CRM_TOKEN")
     result = world.run()
-    assert run_state(result["flow_run_id"]) == ("FAILED", "MissingCredential")
+    assert run_state(result["flow_run_id"]) == ("FAILED", "Failed")
+    assert "fault:MissingCredential" in run_tags(result["flow_run_id"])
     assert "CRM_TOKEN" in result["message"]
+
+
+def test_an_unexpected_error_keeps_its_traceback_in_the_log(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    world.load("a")
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ZeroDivisionError("a bug, not a fault of the rule")
+
+    monkeypatch.setattr(flows.deliver_rule.Chain, "run_batch", broken)
+    result = world.run()
+    assert run_state(result["flow_run_id"]) == ("FAILED", "Failed")
+    assert "fault:ZeroDivisionError" in run_tags(result["flow_run_id"])
+    assert any("unexpected error" in line and "Traceback" in line for line in run_logs(result["flow_run_id"]))
+
+
+def test_a_chain_that_parked_records_says_so_in_its_tags_and_a_warning_per_record(world: World) -> None:
+    world.apply(rule={"max_attempts": 1})
+    world.load("ok", "refused", "unaddressable")
+    world.target.program(world.key("refused"), Answer.status(422, {"error": "email invalid"}))
+    world.target.program(world.key("unaddressable"), Answer.no_id())
+    result = world.run()
+    run_id = result["flow_run_id"]
+    assert run_state(run_id) == ("COMPLETED", "CaughtUp")
+    assert {"ended:caught_up", "parked:2"} <= run_tags(run_id)
+    logs = run_logs(run_id)
+    parked = [line for line in logs if "parked as exhausted" in line]
+    assert len(parked) == 2, logs
+    assert any("record refused" in line and "422" in line for line in parked), parked
+    # Counts in words, not a Python dict (the batch lines are in the scan subflow's log).
+    scan_logs = run_logs(str(child_runs(run_id)[-1].id))
+    assert "scan batch 1: 3 records: 1 delivered, 2 exhausted" in scan_logs, scan_logs
+
+    clean = world.run()
+    assert not any(tag.startswith(("parked:", "failed:")) for tag in run_tags(clean["flow_run_id"]))
+
+
+def test_subflows_are_named_after_the_rule_carry_its_tags_and_run_no_empty_batch(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jobs: list[int] = []
+    run_batch = flows.deliver_rule.Chain.run_batch
+
+    def counted(self: Any, phase: Any) -> Any:
+        report = run_batch(self, phase)
+        jobs.append(report.attempted)
+        return report
+
+    monkeypatch.setattr(flows.deliver_rule.Chain, "run_batch", counted)
+    world.apply(rule={"batch_size": 2})
+    world.load("a", "b", "c", "d")
+    result = world.run()
+    assert jobs == [2, 2]  # nothing due for the drain, two full pages of the scan, and no empty job
+    children = child_runs(result["flow_run_id"])
+    assert [run.name for run in children] == [f"{RULE} · drain", f"{RULE} · scan"]
+    for run in children:
+        assert {f"rule:{RULE}", "target:crm"} <= set(run.tags)
+    scan_logs = run_logs(str(children[-1].id))
+    assert [line for line in scan_logs if "batch" in line] == [
+        "scan batch 1: 2 records: 2 delivered",
+        "scan batch 2: 2 records: 2 delivered",
+    ]
 
 
 def test_a_batch_out_of_time_is_named_timed_out() -> None:
