@@ -34,7 +34,7 @@ from delivery import liveness
 from delivery.alerts import TELLING, transition
 from delivery.chain import Chain
 from delivery.db import shared_engine
-from delivery.domain import BatchReport, ChainEnd, ChainReport, LedgerStatus, Phase
+from delivery.domain import BatchReport, ChainEnd, ChainReport, Cursor, LedgerStatus, Phase
 from delivery.errors import RuleFault
 from delivery.settings import settings
 from delivery.store import chains, ledger
@@ -156,13 +156,18 @@ async def _publish(report: ChainReport) -> None:
         }
         for status in LedgerStatus
     ]
-    before = report.cursor_before.as_json() if report.cursor_before else None
-    after = report.cursor_after.as_json() if report.cursor_after else None
     description = (
         f"**{report.rule}** ended by `{report.ended_by.value}`: {report.message or 'caught up'}\n\n"
-        f"cursor before: `{before}`  \ncursor after: `{after}`  \nbatches: {report.batches}"
+        f"cursor before: {_cursor_words(report.cursor_before)}  \n"
+        f"cursor after: {_cursor_words(report.cursor_after)}  \njobs: {report.batches}"
     )
     await acreate_table_artifact(table=rows, key=_artifact_key(report.rule), description=description)
+
+
+def _cursor_words(cursor: Cursor | None) -> str:
+    if cursor is None:
+        return "none yet (the scan starts from the first change)"
+    return f"changes up to {cursor.changed_at.isoformat(timespec='seconds')} (record {cursor.record_id})"
 
 
 def records_artifact_key(rule: str) -> str:

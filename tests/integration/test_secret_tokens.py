@@ -202,7 +202,8 @@ def test_a_token_no_http_header_can_carry_fails_the_chain_unusable_credential_na
     assert result["state"] == "FAILED" and result["ended_by"] == "rule_fault", result
     assert result["message"].startswith("UnusableCredential: ") and where in result["message"], result
     assert "HTTP header cannot carry" in result["message"]
-    assert run_state(result["flow_run_id"]).name == "UnusableCredential"
+    state = run_state(result["flow_run_id"])
+    assert state.name == "Failed" and (state.message or "").startswith("UnusableCredential: ")
     assert world.target.requests == [] and world.ledger() == {}  # nothing sent, nothing parked
     assert bad not in result["message"] and bad not in everything_written(world.engine)
 
