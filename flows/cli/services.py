@@ -83,18 +83,27 @@ def alerts_install(
         Path | None,
         typer.Option("--dir", help="Where the automation files are (default: automations/ of this checkout)."),
     ] = None,
+    tick_missing_minutes: Annotated[
+        float | None,
+        typer.Option(
+            "--tick-missing-minutes",
+            help="Alert when no delivery-tick run Completed for this many minutes (default 15, the file's).",
+        ),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Create the alert automations of automations/*.yaml, or update in place those installed before.
 
     They notify through the block: when a rule starts failing and when it recovers, when a target's
-    breaker opens and closes again, when no delivery-tick run Completed for 15 minutes, when a tick fails."""
+    breaker opens and closes again, when no delivery-tick run Completed for 15 minutes (or
+    --tick-missing-minutes), when a tick fails."""
     import asyncio
     import dataclasses
 
-    from flows.alerts import AUTOMATIONS_DIR, install
+    from flows.alerts import AUTOMATIONS_DIR, install, tick_missing_window
 
-    installed = asyncio.run(install(block, enable, directory or AUTOMATIONS_DIR))
+    within = None if tick_missing_minutes is None else tick_missing_window(tick_missing_minutes)
+    installed = asyncio.run(install(block, enable, directory or AUTOMATIONS_DIR, within))
     if as_json:
         print_json([dataclasses.asdict(i) for i in installed])
         return
