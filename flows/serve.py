@@ -1,7 +1,7 @@
 """`delivery serve`: the long-running job on one machine.
 
 Prefect's ephemeral API has no scheduler, so without PREFECT_API_URL we start a real local Prefect
-server first (SQLite under PREFECT_HOME) and serve the three deployments against it; with PREFECT_API_URL
+server first (SQLite under PREFECT_HOME) and serve the deployments against it; with PREFECT_API_URL
 set we serve against that server.
 
 Stopping. SIGTERM and SIGINT only record a stop request (`flows.stop_signals`); nothing is raised
@@ -32,6 +32,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows import stop_signals
 from flows.deliver_rule import deliver_rule
+from flows.preview import delivery_preview
 from flows.requeue import delivery_requeue
 from flows.stop_signals import StopSignals
 from flows.tick import delivery_tick
@@ -146,7 +147,7 @@ class _Serving:
             if not await _unless_stopped(self._register(runner), stop):
                 return
             self.registered = True
-            _say("serving deliver-rule, delivery-requeue, delivery-tick (every 5 minutes); Ctrl-C stops")
+            _say("serving deliver-rule, delivery-requeue, delivery-preview, delivery-tick (every 5 min); Ctrl-C stops")
             started = asyncio.ensure_future(runner.start())
             stopping = asyncio.ensure_future(stop.wait())
             await asyncio.wait({started, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -159,6 +160,8 @@ class _Serving:
         await runner.aadd_deployment(await deliver_rule.ato_deployment(name="deliver-rule"))
         # Requeue from the UI: the operator's "Run" on this deployment puts parked records back.
         await runner.aadd_deployment(await delivery_requeue.ato_deployment(name="delivery-requeue"))
+        # What the next chain would do, from the UI: sends and writes nothing.
+        await runner.aadd_deployment(await delivery_preview.ato_deployment(name="delivery-preview"))
         await runner.aadd_deployment(
             await delivery_tick.ato_deployment(name="delivery-tick", cron=TICK_CRON, concurrency_limit=TICK_CONCURRENCY)
         )

@@ -25,7 +25,7 @@ from delivery.settings import settings
 from delivery.storable import text_problem
 
 # The command modules register their commands on the apps when imported.
-from flows.cli import configure, records, runs, services  # noqa: F401
+from flows.cli import configure, preview, records, runs, services  # noqa: F401
 from flows.cli.apps import app
 
 __all__ = ["app", "main"]

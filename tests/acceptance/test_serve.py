@@ -50,11 +50,12 @@ def test_serve_starts_a_local_server_serves_both_flows_and_stops_cleanly(tmp_pat
         assert f"Prefect UI: http://127.0.0.1:{port}" in first
         names: list[str] = []
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and sorted(names) != ["deliver-rule", "delivery-requeue", "delivery-tick"]:
+        served = ["deliver-rule", "delivery-preview", "delivery-requeue", "delivery-tick"]
+        while time.monotonic() < deadline and sorted(names) != served:
             time.sleep(1)
             answer = httpx.post(f"{api}/deployments/filter", json={}, timeout=10)
             names = [d["name"] for d in answer.json()] if answer.status_code == 200 else []
-        assert sorted(names) == ["deliver-rule", "delivery-requeue", "delivery-tick"]
+        assert sorted(names) == served
         deployments = api_call("POST", f"{api}/deployments/filter", json={})
         assert isinstance(deployments, list)
         tick = next(d for d in deployments if d["name"] == "delivery-tick")

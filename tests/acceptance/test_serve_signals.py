@@ -47,7 +47,7 @@ from tests.target_server import Answer, TargetServer
 
 DELIVERY = str(Path(sys.executable).parent / "delivery")
 MARK = "DELIVERY_SERVE_TEST_MARK"
-SERVED = ["deliver-rule", "delivery-requeue", "delivery-tick"]
+SERVED = ["deliver-rule", "delivery-preview", "delivery-requeue", "delivery-tick"]
 # Runs at random delays per way of serving, on top of the three aimed ones and the double signal.
 RANDOM_RUNS = 5
 START_TIMEOUT = 150.0

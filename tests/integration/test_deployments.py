@@ -40,8 +40,9 @@ def deployments() -> dict[str, dict[str, Any]]:
 
 
 def test_prefect_yaml_declares_both_deployments_on_the_delivery_pool(deployments: dict[str, dict[str, Any]]) -> None:
-    assert set(deployments) == {"deliver-rule", "delivery-tick", "delivery-requeue"}
+    assert set(deployments) == {"deliver-rule", "delivery-tick", "delivery-requeue", "delivery-preview"}
     assert deployments["delivery-requeue"]["entrypoint"] == "flows/requeue.py:delivery_requeue"
+    assert deployments["delivery-preview"]["entrypoint"] == "flows/preview.py:delivery_preview"
     assert deployments["deliver-rule"]["entrypoint"] == "flows/deliver_rule.py:deliver_rule"
     assert deployments["delivery-tick"]["entrypoint"] == "flows/tick.py:delivery_tick"
     for deployment in deployments.values():
@@ -51,7 +52,7 @@ def test_prefect_yaml_declares_both_deployments_on_the_delivery_pool(deployments
     assert not deployments["deliver-rule"].get("schedules")  # the tick starts chains, not a schedule
 
 
-@pytest.mark.parametrize("name", ["deliver-rule", "delivery-tick", "delivery-requeue"])
+@pytest.mark.parametrize("name", ["deliver-rule", "delivery-tick", "delivery-requeue", "delivery-preview"])
 def test_each_entrypoint_loads_a_flow_named_as_its_deployment_with_no_retries(
     deployments: dict[str, dict[str, Any]], name: str
 ) -> None:
@@ -64,6 +65,14 @@ def test_each_entrypoint_loads_a_flow_named_as_its_deployment_with_no_retries(
     if name == "deliver-rule":
         assert "rule" in loaded.parameters.properties
         assert "rule" in (loaded.parameters.required or [])
+    if name == "delivery-preview":
+        # Each parameter described (the docstring's Args), the limit bounded in the UI's form.
+        properties = loaded.parameters.properties
+        assert loaded.parameters.required == ["rule"]
+        assert set(properties) == {"rule", "limit"}
+        assert all(properties[p].get("description") for p in properties)
+        assert properties["limit"]["default"] == 50
+        assert (properties["limit"]["minimum"], properties["limit"]["maximum"]) == (1, 10_000)
 
 
 def test_subflows_and_the_batch_task_have_no_retries() -> None:
