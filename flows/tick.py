@@ -95,7 +95,13 @@ async def _publish_status(summary: str) -> None:
 @flow(name="delivery-tick", retries=0)
 async def delivery_tick(dead_after_minutes: float | None = None) -> State[Any]:
     """Start a chain for every enabled rule that has none alive and something to do; replace the
-    dead ones."""
+    dead ones.
+
+    Args:
+        dead_after_minutes: How long a chain may go without a heartbeat before this tick judges it
+            dead, cancels its run and starts a new chain of its rule. Empty: the default
+            (DELIVERY_DEAD_CHAIN_MINUTES, 15 minutes unless set).
+    """
     logger = get_run_logger()
     if dead_after_minutes is not None:
         try:
@@ -103,7 +109,7 @@ async def delivery_tick(dead_after_minutes: float | None = None) -> State[Any]:
         except InputError as exc:
             # NaN, 0 or a negative threshold would judge every live chain dead: nothing is done.
             logger.error("tick refused: %s", exc)
-            return Failed(message=str(exc), name=type(exc).__name__)
+            return Failed(message=str(exc))  # plainly Failed: the tick-failed alert and filters find it
     engine = shared_engine()
     threshold = dead_after(dead_after_minutes)
     with engine.connect().execution_options(readonly=True) as conn:
