@@ -102,7 +102,9 @@ async def delivery_preview(rule: str, limit: Limit = DEFAULT_LIMIT) -> State[Any
         result = preview(shared_engine(), rule, limit)
     except InputError as exc:
         logger.error("preview of %s refused: %s", rule, exc)
-        return Failed(message=str(exc), name=type(exc).__name__)
+        # Plainly Failed, as every refused run is, so Prefect's Failed filter finds it; the class
+        # leads the message.
+        return Failed(message=f"{type(exc).__name__}: {exc}")
     await _label_run(result.rule, result.target)
     await acreate_table_artifact(table=_table(result), key=artifact_key(rule), description=describe(result))
     message = (f"{result.hold.line}; " if result.hold else "") + result.summary

@@ -518,7 +518,7 @@ def test_the_flow_fails_for_an_unknown_rule_or_a_limit_out_of_range(prefect_api:
     before = snapshot(world.engine)
     unknown = _run_flow(rule="nope")
     assert unknown.is_failed()
-    assert unknown.message == "no rule named 'nope'" and unknown.name == "UnknownName"
+    assert unknown.message == "UnknownName: no rule named 'nope'" and unknown.name == "Failed"
     for bad in (0, 10_001):
         refused = _run_flow(rule=RULE, limit=bad)
         assert refused.is_failed()
