@@ -144,6 +144,9 @@ ledger = sa.Table(
     sa.UniqueConstraint("rule_id", "record_id"),
     # The drain (failed rows due, oldest first) and the per-status counts.
     sa.Index(None, "rule_id", "status", "next_attempt_at", "id"),
+    # A rule's parked set, latest change first (the `parked-RULE` artifact), and rows of a status
+    # changed since a time (a chain's records artifact, `delivery requeue --since`).
+    sa.Index(None, "rule_id", "status", "updated_at", "id"),
 )
 
 chains = sa.Table(

@@ -16,6 +16,7 @@ what an operator would see there: the run's state, its artifact, and the rows in
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -243,10 +244,45 @@ def test_the_requeue_deployment_requeues_records_the_audit_with_its_run_and_list
         [entry] = [r._asdict() for r in conn.execute(sa.select(requeues))]
     assert entry["flow_run_id"] == str(run.id)
     assert entry["requested_by"] == "ui-operator" and sorted(entry["external_ids"]) == ["kept", "p1"]
-    [artifact] = [a for a in artifacts_of(served, run.id) if a.key == "requeue-contacts-to-crm"]
+    artifacts = {a.key: a for a in artifacts_of(served, run.id)}
+    artifact = artifacts["requeue-contacts-to-crm"]
     assert artifact.type == "table" and "requeued 2 record(s)" in (artifact.description or "")
     assert "p1" in str(artifact.data) and "kept" in str(artifact.data)
-    # (An unknown rule or status failing the run: tests/integration/test_requeue_flow.py.)
+    # The rule's parked set, refreshed: what is still parked.
+    parked = artifacts["parked-contacts-to-crm"]
+    assert parked.type == "markdown" and (parked.description or "").startswith("contacts-to-crm: 2 records parked")
+    # Named and tagged after the rule, as a chain's run is.
+    assert run.name == "requeue contacts-to-crm"
+    assert {"rule:contacts-to-crm", "target:crm"} <= set(run.tags)
+    # (Every refusal: tests/integration/test_requeue_flow.py.)
+
+
+def log_records(served: Served, flow_run_id: UUID) -> list[Any]:
+    """The run's log records, once its last line is in."""
+    logs_of(served, flow_run_id)
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    return list(
+        read(served, lambda client: client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))))
+    )
+
+
+def test_a_requeue_refused_on_a_worker_logs_one_error_line_and_no_traceback(served: Served, world: World) -> None:
+    """Run by the serving process, as from the UI's Run: Prefect's engine raises a Failed run's fault
+    again as the run ends and would log "Engine execution exited with unexpected exception" and a
+    traceback to the run. A refused requeue's run holds one ERROR line: the fault and what to do."""
+    run = run_deployment(served, "delivery-requeue/delivery-requeue", {"rule": "no-such-rule", "dry_run": True})
+    assert run.state.is_failed() and run.state.name == "UnknownName"
+    assert run.state.message == "no rule named 'no-such-rule'"
+    assert run.name == "requeue no-such-rule (dry run)"
+    records = log_records(served, run.id)
+    errors = [r.message for r in records if r.level >= logging.ERROR]
+    assert errors == [
+        "requeue of no-such-rule not done: no rule named 'no-such-rule'. Nothing was changed; check the rule's "
+        "name (`delivery status` or the delivery-status artifact lists the rules), then run it again."
+    ]
+    text = "\n".join(r.message for r in records)
+    assert "Traceback" not in text and "unexpected exception" not in text
 
 
 def test_a_token_from_a_secret_block_changed_in_prefect_is_used_by_the_next_chain(served: Served, world: World) -> None:
