@@ -4,13 +4,13 @@ in `breaker`), so the overview never disagrees with what a chain would do."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 
 from delivery.breaker import reopens_at
-from delivery.domain import LedgerStatus, Rule
+from delivery.domain import ChainEnd, LedgerStatus, Rule
 from delivery.policy import closed_connection, scan_start
 from delivery.store import catalog, chains
 from delivery.store import ledger as ledger_store
@@ -38,16 +38,47 @@ def _breaker(conn: sa.Connection, rule: Rule, now: datetime) -> str:
     return str(state["state"])
 
 
+#: The state a `deliver-rule` run ends in, per chain end, as the Prefect UI's run list names it:
+#: `STATE_NAMES` of flows/deliver_rule.py for the Completed ones (a test pins that they agree), a
+#: fault of the rule plain `Failed` (the fault's class is its `fault:CLASS` tag), a stop `Cancelled`.
+RUN_STATE_NAMES: dict[ChainEnd, str] = {
+    ChainEnd.CAUGHT_UP: "CaughtUp",
+    ChainEnd.BREAKER_OPEN: "BreakerOpen",
+    ChainEnd.ROUTE_CLOSED: "RouteClosed",
+    ChainEnd.SUPERSEDED: "Superseded",
+    ChainEnd.DISABLED: "Disabled",
+    ChainEnd.RULE_FAULT: "Failed",
+    ChainEnd.CANCELLED: "Cancelled",
+}
+
+
+def fault_of(ended_by: str | None, message: str | None) -> str | None:
+    """The fault a chain ended by (`MissingWriter`, ...): the first word of its message, which a
+    fault of the rule always starts with (`CLASS: text`); a batch out of time is `TimedOut`, as
+    its run names it."""
+    if ended_by != ChainEnd.RULE_FAULT or not message:
+        return None
+    head, colon, _ = message.partition(":")
+    if not colon or not head.isidentifier():
+        return None
+    return "TimedOut" if head == "TimeoutError" else head
+
+
 def _last_chain(conn: sa.Connection, rule: Rule) -> dict[str, Any] | None:
     last = chains.last_chain(conn, rule.id)
     if last is None:
         return None
+    ended_by: str | None = last["ended_by"] if last["ended_at"] else None
+    state_name = RUN_STATE_NAMES[ChainEnd(ended_by)] if ended_by in {end.value for end in ChainEnd} else None
     return {
         "started_at": last["started_at"].isoformat(),
         "ended_at": last["ended_at"].isoformat() if last["ended_at"] else None,
         "ended_by": last["ended_by"],
         "message": last["message"],
         "flow_run_id": last["flow_run_id"],
+        # The state its run ended in (None while it runs), and the fault of a Failed one.
+        "state_name": state_name,
+        "fault": fault_of(ended_by, last["message"]),
     }
 
 
@@ -56,6 +87,8 @@ def overview(conn: sa.Connection, now: datetime) -> list[dict[str, Any]]:
     for rule in catalog.list_rules(conn):
         route_open, route_why = _route(rule)
         oldest = status_store.oldest_undelivered(conn, rule, scan_start(rule))
+        lag = round((now - oldest).total_seconds(), 1) if oldest else 0.0
+        last = _last_chain(conn, rule)
         result.append(
             {
                 "rule": rule.name,
@@ -64,27 +97,101 @@ def overview(conn: sa.Connection, now: datetime) -> list[dict[str, Any]]:
                 "route": route_why,
                 "breaker": _breaker(conn, rule, now),
                 "cursor": rule.cursor.as_json() if rule.cursor else None,
-                "cursor_lag_seconds": round((now - oldest).total_seconds(), 1) if oldest else 0.0,
+                "cursor_lag_seconds": lag,
                 "counts": ledger_store.counts_by_status(conn, rule.id),
                 "due_retries": status_store.due_retries(conn, rule.id, now),
-                "last_chain": _last_chain(conn, rule),
+                "last_chain": last,
+                # What the status table and artifact show first: how the last chain ended, since when.
+                "last_ending": last_ending(last),
+                "last_since": last_since(last),
+                "cursor_lag": plain_duration(lag),
             }
         )
     return result
 
 
 def last_ending(last: dict[str, Any] | None) -> str:
-    """How the rule's last chain ended, in a few words: `running`, `caught_up`, `rule_fault: ...`."""
+    """How the rule's last chain ended, as its run's state is named in the Prefect UI:
+    `CaughtUp`, `BreakerOpen`, `Failed: MissingWriter`, ...; `running` while it runs, `never ran`."""
     if last is None:
-        return "-"
+        return "never ran"
     if last["ended_at"] is None:
         return "running"
-    return f"{last['ended_by']}: {last['message']}" if last["message"] else str(last["ended_by"])
+    name = str(last.get("state_name") or last["ended_by"])
+    return f"{name}: {last['fault']}" if last.get("fault") else name
+
+
+def last_since(last: dict[str, Any] | None) -> str | None:
+    """Since when the last ending holds: when the chain ended, or when it started if it runs."""
+    if last is None:
+        return None
+    return str(last["ended_at"] or last["started_at"])
+
+
+def plain_time(iso: str | None) -> str:
+    """An ISO time as a person reads it: `2026-12-05 12:08:21 UTC`."""
+    if iso is None:
+        return "-"
+    moment = datetime.fromisoformat(iso).astimezone(UTC)
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _unit(n: int, unit: str) -> str:
+    return f"{n} {unit}" if n == 1 else f"{n} {unit}s"
+
+
+def plain_duration(seconds: float) -> str:
+    """A lag in words: `none`, `under a second`, `45 seconds`, `12 minutes`, `3 hours 5 minutes`,
+    `2 days 4 hours`."""
+    if seconds <= 0:
+        return "none"
+    if seconds < 1:
+        return "under a second"
+    whole = int(seconds)
+    if whole < 60:
+        return _unit(whole, "second")
+    if whole < 3600:
+        return _unit(whole // 60, "minute")
+    if whole < 86400:
+        hours, minutes = divmod(whole // 60, 60)
+        return _unit(hours, "hour") + (f" {_unit(minutes, 'minute')}" if minutes else "")
+    days, hours = divmod(whole // 3600, 24)
+    return _unit(days, "day") + (f" {_unit(hours, 'hour')}" if hours else "")
+
+
+def rule_label(row: dict[str, Any]) -> str:
+    return str(row["rule"]) + ("" if row["enabled"] else " (disabled)")
+
+
+def status_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The overview as the `delivery-status` table artifact shows it, one row per rule, every cell
+    plain words or a number: how the last chain ended and since when first, then the route, the
+    breaker, the lag, the counts per ledger status and the retries due, and the last chain's
+    message. The columns are the `delivery status` table's."""
+    table = []
+    for r in rows:
+        counts = r["counts"]
+        last = r["last_chain"]
+        table.append(
+            {
+                "rule": rule_label(r),
+                "last chain": r["last_ending"],
+                "since": plain_time(r["last_since"]),
+                "route": r["route"],
+                "breaker": r["breaker"],
+                "lag": r["cursor_lag"],
+                **{status.value.replace("_", " "): counts.get(status.value, 0) for status in LedgerStatus},
+                "due retries": r["due_retries"],
+                "message": (last or {}).get("message") or "-",
+            }
+        )
+    return table
 
 
 def flat_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The overview as one flat row per rule, every value a scalar: what the `delivery-status`
-    table artifact shows (a table cell cannot hold the nested counts)."""
+    """The overview as one flat row per rule, every value a scalar: the `delivery-status` table
+    as flows/tick.py's `_publish_status` still writes it. `status_table` replaces it once the tick
+    publishes through flows/status_artifact.py."""
     flat = []
     for r in rows:
         counts = r["counts"]

@@ -90,10 +90,10 @@ def tick_command(
 
 @app.command("status")
 def status_command(as_json: JsonFlag = False) -> None:
-    """Per rule: route, breaker, cursor lag (age of the oldest undelivered change), ledger counts,
-    due retries, and how the last chain ended."""
+    """Per rule: how the last chain ended and since when, route, breaker, cursor lag (age of the
+    oldest undelivered change), ledger counts, due retries, and the last chain's message."""
     from delivery.clock import utcnow
-    from delivery.status import last_ending, overview
+    from delivery.status import overview, plain_time, rule_label
 
     with read_only() as conn:
         rows = overview(conn, utcnow())
@@ -103,14 +103,16 @@ def status_command(as_json: JsonFlag = False) -> None:
     show(
         [
             {
-                "rule": r["rule"] + ("" if r["enabled"] else " (disabled)"),
+                "rule": rule_label(r),
+                "last chain": r["last_ending"],
+                "since": plain_time(r["last_since"]),
                 "route": r["route"],
                 "breaker": r["breaker"],
-                "lag": f"{r['cursor_lag_seconds']:.0f}s",
+                "lag": r["cursor_lag"],
                 "delivered": str(r["counts"]["delivered"]),
                 "failed (due)": f"{r['counts']['failed']} ({r['due_retries']})",
                 "parked": f"{r['counts']['exhausted']} exhausted, {r['counts']['remote_gone']} gone",
-                "last chain": last_ending(r["last_chain"]),
+                "message": (r["last_chain"] or {}).get("message") or "-",
             }
             for r in rows
         ],

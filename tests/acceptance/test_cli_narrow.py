@@ -85,10 +85,11 @@ def test_status_at_80_columns_names_every_rule_and_the_fault_in_full(narrow_worl
     lines = text.splitlines()
     assert CONTACTS in lines and COMPANIES in lines  # each rule heads its own block, whole
     words = _words(text)
-    assert f"rule_fault: MissingWriter: rule '{COMPANIES}': no writer is registered for target driver 'soap'" in words
-    assert "caught_up" in words and "1 (0)" in words  # the contacts rule: caught up, one failed row, none due
+    assert "Failed: MissingWriter" in words  # how the last chain ended, as its run's state is named
+    assert f"MissingWriter: rule '{COMPANIES}': no writer is registered for target driver 'soap'" in words
+    assert "CaughtUp" in words and "1 (0)" in words  # the contacts rule: caught up, one failed row, none due
 
-    wide = _run("status", columns=250, cwd=tmp_path)
+    wide = _run("status", columns=300, cwd=tmp_path)
     assert "┃ rule" in wide and "…" not in wide  # wide enough: the table, whole
 
 

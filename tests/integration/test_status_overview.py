@@ -1,19 +1,22 @@
-"""The words `delivery status` uses for a rule's route and its target's breaker, pinned exactly, on
-SQLite and PostgreSQL. The overview takes both decisions from where the chain takes them (the route
-from `policy.closed_connection`, the reopening from `breaker.reopens_at`); these pin that doing so
-changed none of its JSON."""
+"""The words `delivery status` uses for a rule's route, its target's breaker, how its last chain ended
+and its lag, pinned exactly, on SQLite and PostgreSQL. The overview takes the route and breaker
+decisions from where the chain takes them (the route from `policy.closed_connection`, the reopening
+from `breaker.reopens_at`); these pin that doing so changed none of its JSON."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from delivery.apply import apply_config
 from delivery.config import parse_config
-from delivery.status import overview
-from delivery.store.tables import breaker_states, connections
+from delivery.domain import ChainEnd, ChainReport
+from delivery.status import overview, plain_duration, plain_time
+from delivery.store import chains
+from delivery.store.tables import breaker_states, connections, rules
 
 NOW = datetime(2026, 12, 1, 8, 0, 0, tzinfo=UTC)
 
@@ -89,3 +92,69 @@ def test_the_breaker_as_status_words_it(engine: sa.Engine) -> None:
     assert _row(engine)["breaker"] == "open"
     _set_breaker(engine, crm, "half-open", 0, NOW - timedelta(seconds=120))
     assert _row(engine)["breaker"] == "half-open"
+
+
+def _end_last_chain(engine: sa.Engine, ended_by: ChainEnd, message: str, started: datetime, ended: datetime) -> None:
+    with engine.begin() as conn:
+        rule_id = int(conn.execute(sa.select(rules.c.id).where(rules.c.name == "contacts-to-crm")).scalar_one())
+        token = chains.start_chain(conn, rule_id, None, started)
+        chains.end_chain(conn, ChainReport("contacts-to-crm", token, ended_by, message), ended)
+
+
+def test_how_the_last_chain_ended_as_status_words_it(engine: sa.Engine) -> None:
+    _apply(engine)
+    row = _row(engine)
+    assert (row["last_chain"], row["last_ending"], row["last_since"]) == (None, "never ran", None)
+    assert plain_time(row["last_since"]) == "-"
+
+    with engine.begin() as conn:
+        rule_id = int(conn.execute(sa.select(rules.c.id).where(rules.c.name == "contacts-to-crm")).scalar_one())
+        chains.start_chain(conn, rule_id, None, NOW - timedelta(minutes=2))
+    row = _row(engine)
+    assert (row["last_ending"], row["last_since"]) == ("running", "2026-12-01T07:58:00+00:00")
+    assert (row["last_chain"]["state_name"], row["last_chain"]["fault"]) == (None, None)
+    assert plain_time(row["last_since"]) == "2026-12-01 07:58:00 UTC"
+
+    fault = "MissingWriter: rule 'contacts-to-crm': no writer is registered for target driver 'soap'"
+    _end_last_chain(engine, ChainEnd.RULE_FAULT, fault, NOW - timedelta(minutes=1), NOW)
+    row = _row(engine)
+    assert (row["last_ending"], row["last_since"]) == ("Failed: MissingWriter", "2026-12-01T08:00:00+00:00")
+    assert (row["last_chain"]["state_name"], row["last_chain"]["fault"]) == ("Failed", "MissingWriter")
+    assert row["last_chain"]["ended_by"] == "rule_fault" and row["last_chain"]["message"] == fault
+
+    _end_last_chain(engine, ChainEnd.RULE_FAULT, "TimeoutError: batch over 600 s", NOW, NOW + timedelta(seconds=1))
+    assert _row(engine)["last_ending"] == "Failed: TimedOut"
+    _end_last_chain(engine, ChainEnd.RULE_FAULT, "", NOW, NOW + timedelta(seconds=2))
+    assert _row(engine)["last_ending"] == "Failed"  # no message to name the fault by
+
+    for end, name in [
+        (ChainEnd.CAUGHT_UP, "CaughtUp"),
+        (ChainEnd.BREAKER_OPEN, "BreakerOpen"),
+        (ChainEnd.ROUTE_CLOSED, "RouteClosed"),
+        (ChainEnd.SUPERSEDED, "Superseded"),
+        (ChainEnd.DISABLED, "Disabled"),
+        (ChainEnd.CANCELLED, "Cancelled"),
+    ]:
+        _end_last_chain(engine, end, "Word: not a fault", NOW, NOW + timedelta(seconds=3))
+        row = _row(engine)
+        assert (row["last_ending"], row["last_chain"]["state_name"], row["last_chain"]["fault"]) == (name, name, None)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "words"),
+    [
+        (0.0, "none"),
+        (0.4, "under a second"),
+        (1.0, "1 second"),
+        (59.9, "59 seconds"),
+        (60.0, "1 minute"),
+        (3599.0, "59 minutes"),
+        (3600.0, "1 hour"),
+        (3660.0, "1 hour 1 minute"),
+        (7500.0, "2 hours 5 minutes"),
+        (86400.0, "1 day"),
+        (2 * 86400 + 4 * 3600 + 5, "2 days 4 hours"),
+    ],
+)
+def test_the_lag_in_words(seconds: float, words: str) -> None:
+    assert plain_duration(seconds) == words
