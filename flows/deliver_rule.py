@@ -35,11 +35,12 @@ from delivery.alerts import TELLING, transition
 from delivery.chain import Chain
 from delivery.db import shared_engine
 from delivery.domain import BatchReport, ChainEnd, ChainReport, Cursor, LedgerStatus, Phase
-from delivery.errors import RuleFault
+from delivery.errors import RuleFault, UnknownName
 from delivery.settings import settings
 from delivery.store import chains, ledger
 from flows.breaker_events import RunBreakerListener
 from flows.lock import rule_lock
+from flows.parked_artifact import publish_parked_set
 from flows.secrets import read_secret_block
 
 #: What a chain stopped from outside raises: Ctrl-C, SIGTERM (Prefect turns it into a
@@ -419,8 +420,16 @@ async def _close(chain: Chain, report: ChainReport, fault: str | None = None) ->
     and the rule's health event."""
     await _publish(report)
     await _publish_records(chain)
+    await _publish_parked_set(chain)
     await _tag_ending(chain, report, fault)
     _announce(chain, report)
+
+
+async def _publish_parked_set(chain: Chain) -> None:
+    """The rule's standing `parked-RULE` artifact, as the ledger stands after this chain."""
+    # A rule retired while its chain ran has no parked set left to publish.
+    with contextlib.suppress(UnknownName):
+        await publish_parked_set(chain.engine, chain.rule.name)
 
 
 async def _cancelled(chain: Chain, exc: BaseException) -> State[Any]:
@@ -434,6 +443,7 @@ async def _cancelled(chain: Chain, exc: BaseException) -> State[Any]:
         report = chain.finish(exc, cancelled=True)
         await _publish(report)
         await _publish_records(chain)
+        await _publish_parked_set(chain)
         _announce(chain, report)  # `cancelled` tells nothing about the rule: no event
     get_run_logger().warning("chain of %s cancelled (%s): nothing more is written", chain.rule.name, type(exc).__name__)
     return Cancelled(message=report.message, data=report.as_json())

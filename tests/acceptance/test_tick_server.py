@@ -32,6 +32,7 @@ from delivery.apply import apply_config
 from delivery.config import parse_config
 from delivery.store.tables import chains
 from flows.deliver_rule import CHAIN_TOKEN_KEY
+from tests.integration.runs import run_logs
 from tests.integration.world import RULE, World
 from tests.prefect_server import prefect_server
 from tests.target_server import TargetServer
@@ -222,6 +223,10 @@ def test_retry_from_the_ui_starts_a_fresh_chain_that_delivers(
     assert (run.state.type.value, run.state.name) == ("FAILED", "Failed")
     assert "fault:MissingCredential" in run.tags and run.state.message.startswith("MissingCredential:")
     assert world.target.records("contacts") == {}
+    # One ERROR line with the fault and what to do: no traceback, no "exited with unexpected exception".
+    logs = run_logs(run_id)
+    assert [m for m in logs if "What to do:" in m], logs
+    assert not [m for m in logs if "Traceback" in m or "unexpected exception" in m], logs
 
     # The operator fixes the token and presses Retry: the UI proposes this very state.
     _call(

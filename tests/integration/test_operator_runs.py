@@ -30,6 +30,7 @@ from delivery.store.tables import breaker_states, connections, rules
 from flows.cli import app
 from flows.deliver_rule import deliver_rule, fault_state_name, launched, records_artifact_key
 from flows.lock import LEASE_SECONDS, acquire_lease
+from flows.parked_artifact import parked_artifact_key
 from tests.integration.locks import own_rule_lock
 from tests.integration.runs import child_runs, run_artifacts, run_logs, run_state, run_tags
 from tests.integration.world import RULE, World
@@ -144,8 +145,14 @@ def test_a_chain_that_parked_records_says_so_in_its_tags_and_a_warning_per_recor
     scan_logs = run_logs(str(child_runs(run_id)[-1].id))
     assert "scan batch 1: 3 records: 1 delivered, 2 exhausted" in scan_logs, scan_logs
 
+    world.load("later")
     clean = world.run()
+    assert clean["counts"]["delivered"] == 1
     assert not any(tag.startswith(("parked:", "failed:")) for tag in run_tags(clean["flow_run_id"]))
+    # The rule's standing parked set, published by the chain that parked nothing, still holds both.
+    parked = run_artifacts(clean["flow_run_id"])[parked_artifact_key(RULE)].data
+    assert "2 records parked (2 exhausted)" in parked, parked
+    assert "| refused |" in parked and "| unaddressable |" in parked, parked
 
 
 def test_subflows_are_named_after_the_rule_carry_its_tags_and_run_no_empty_batch(
