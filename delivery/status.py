@@ -186,29 +186,3 @@ def status_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return table
-
-
-def flat_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The overview as one flat row per rule, every value a scalar: the `delivery-status` table
-    as flows/tick.py's `_publish_status` still writes it. `status_table` replaces it once the tick
-    publishes through flows/status_artifact.py."""
-    flat = []
-    for r in rows:
-        counts = r["counts"]
-        last = r["last_chain"]
-        ended_by = None if last is None else ("running" if last["ended_at"] is None else last["ended_by"])
-        flat.append(
-            {
-                "rule": r["rule"],
-                "enabled": r["enabled"],
-                "route": r["route"],
-                "breaker": r["breaker"],
-                "cursor_lag_seconds": r["cursor_lag_seconds"],
-                **{status.value: counts.get(status.value, 0) for status in LedgerStatus},
-                "due_retries": r["due_retries"],
-                "last_ended_by": ended_by,
-                "last_message": None if last is None else last["message"],
-                "last_ended_at": None if last is None else last["ended_at"],
-            }
-        )
-    return flat

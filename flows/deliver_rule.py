@@ -42,6 +42,7 @@ from flows.breaker_events import RunBreakerListener
 from flows.lock import rule_lock
 from flows.parked_artifact import publish_parked_set
 from flows.secrets import read_secret_block
+from flows.status_artifact import publish_status
 
 #: What a chain stopped from outside raises: Ctrl-C, SIGTERM (Prefect turns it into a
 #: TerminationSignal; a worker cancelling the run sends it too), an asyncio/anyio cancellation, the
@@ -420,16 +421,23 @@ async def _close(chain: Chain, report: ChainReport, fault: str | None = None) ->
     and the rule's health event."""
     await _publish(report)
     await _publish_records(chain)
-    await _publish_parked_set(chain)
+    await _publish_standing(chain)
     await _tag_ending(chain, report, fault)
     _announce(chain, report)
 
 
-async def _publish_parked_set(chain: Chain) -> None:
-    """The rule's standing `parked-RULE` artifact, as the ledger stands after this chain."""
-    # A rule retired while its chain ran has no parked set left to publish.
-    with contextlib.suppress(UnknownName):
-        await publish_parked_set(chain.engine, chain.rule.name)
+async def _publish_standing(chain: Chain) -> None:
+    """The artifacts that speak of now rather than of this chain, refreshed as it ends: the rule's
+    `parked-RULE` and the `delivery-status` of every rule (so it is never a tick behind). Neither
+    is the chain's own outcome: a failure to publish them is logged, and the chain ends as it did."""
+    try:
+        with contextlib.suppress(UnknownName):  # a rule retired while its chain ran: nothing stands
+            await publish_parked_set(chain.engine, chain.rule.name)
+        await publish_status()
+    except Exception as exc:
+        get_run_logger().warning(
+            "rule %s: the parked-set or status artifact was not refreshed: %s", chain.rule.name, chain.redact(str(exc))
+        )
 
 
 async def _cancelled(chain: Chain, exc: BaseException) -> State[Any]:
@@ -443,7 +451,7 @@ async def _cancelled(chain: Chain, exc: BaseException) -> State[Any]:
         report = chain.finish(exc, cancelled=True)
         await _publish(report)
         await _publish_records(chain)
-        await _publish_parked_set(chain)
+        await _publish_standing(chain)
         _announce(chain, report)  # `cancelled` tells nothing about the rule: no event
     get_run_logger().warning("chain of %s cancelled (%s): nothing more is written", chain.rule.name, type(exc).__name__)
     return Cancelled(message=report.message, data=report.as_json())

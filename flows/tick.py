@@ -24,7 +24,6 @@ from typing import Any
 from uuid import UUID
 
 from prefect import flow, get_client, get_run_logger, tags
-from prefect.artifacts import acreate_table_artifact
 from prefect.client.schemas import State
 from prefect.exceptions import ObjectNotFound
 from prefect.states import Cancelled, Cancelling, Completed, Failed
@@ -34,12 +33,11 @@ from delivery.clock import utcnow
 from delivery.db import shared_engine
 from delivery.errors import InputError
 from delivery.settings import dead_chain_minutes
-from delivery.status import flat_rows, overview
 from delivery.tick import Launch, TickOutcome, attach_flow_run, dead_after, plan_tick, record_launch
 from flows.deliver_rule import deliver_rule, launch_context, launched
+from flows.status_artifact import publish_status
 
 DELIVER_RULE_DEPLOYMENT = "deliver-rule/deliver-rule"
-STATUS_ARTIFACT_KEY = "delivery-status"
 
 
 async def _deployment_exists() -> bool:
@@ -76,20 +74,6 @@ async def _launch(launch: Launch, token: str) -> dict[str, Any]:
             tags=launch.tags,  # the server adds the deployment's own
         )
     return {"flow_run_id": str(run.id), "chain_state": run.state.type.value if run.state else None}
-
-
-async def _publish_status(summary: str) -> None:
-    """The `delivery-status` artifact: the overview `delivery status` prints, as of the tick's end."""
-    now = utcnow()
-    with shared_engine().connect().execution_options(readonly=True) as conn:
-        rows = flat_rows(overview(conn, now))
-    description = (
-        f"**delivery status** at {now.isoformat(timespec='seconds')}: {len(rows)} rule(s); "
-        f"this tick: {summary}.\n\n"
-        "`cursor_lag_seconds` is the age of the oldest change not yet delivered; `due_retries` the failed "
-        "rows the next drain takes; exhausted and remote_gone rows are parked (`delivery requeue`)."
-    )
-    await acreate_table_artifact(table=rows, key=STATUS_ARTIFACT_KEY, description=description)
 
 
 @flow(name="delivery-tick", retries=0)
@@ -153,7 +137,7 @@ async def delivery_tick(dead_after_minutes: float | None = None) -> State[Any]:
 
     summary = outcome.summary()
     logger.info(summary)
-    await _publish_status(summary)
+    await publish_status(summary)
     # A misconfigured rule fails its chain on every tick until fixed; the tick says so too.
     data = outcome.as_json()
     return Failed(message=summary, data=data) if outcome.failed else Completed(message=summary, data=data)

@@ -135,12 +135,12 @@ def test_a_tick_names_its_chains_runs_keys_them_by_chain_token_and_publishes_the
 
     # The health page: one row per rule, on the tick's own run.
     rows = _status_rows(result["flow_run_id"])
-    assert [r["rule"] for r in rows] == [RULE, PAUSED]
+    assert [r["rule"] for r in rows] == [RULE, f"{PAUSED} (disabled)"]
     contacts = rows[0]
-    assert contacts["route"] == "open" and contacts["breaker"] == "closed" and contacts["enabled"] is True
-    assert contacts["last_ended_by"] == "running"  # the chain just launched, waiting for a worker
-    assert {"delivered", "failed", "exhausted", "remote_gone", "due_retries", "cursor_lag_seconds"} <= set(contacts)
-    assert rows[1]["enabled"] is False and rows[1]["last_ended_by"] is None
+    assert contacts["route"] == "open" and contacts["breaker"] == "closed"
+    assert contacts["last chain"] == "running"  # the chain just launched, waiting for a worker
+    assert {"delivered", "failed", "exhausted", "remote gone", "due retries", "lag"} <= set(contacts)
+    assert rows[1]["last chain"] == "never ran"
 
     # The next tick, in process: the launched chain is alive, nothing new starts.
     from flows.tick import run_tick
@@ -150,7 +150,7 @@ def test_a_tick_names_its_chains_runs_keys_them_by_chain_token_and_publishes_the
     assert [(r["rule"], r["action"]) for r in again["rules"]] == [(RULE, "alive"), (PAUSED, "disabled")]
     runs = _call(lambda client: client.read_flow_runs())
     assert sum(1 for r in runs if r.idempotency_key == started["chain_token"]) == 1
-    assert [r["rule"] for r in _status_rows(again["flow_run_id"])] == [RULE, PAUSED]
+    assert [r["rule"] for r in _status_rows(again["flow_run_id"])] == [RULE, f"{PAUSED} (disabled)"]
 
 
 def _status_rows(flow_run_id: str) -> list[dict[str, Any]]:

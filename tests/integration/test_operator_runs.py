@@ -153,6 +153,10 @@ def test_a_chain_that_parked_records_says_so_in_its_tags_and_a_warning_per_recor
     parked = run_artifacts(clean["flow_run_id"])[parked_artifact_key(RULE)].data
     assert "2 records parked (2 exhausted)" in parked, parked
     assert "| refused |" in parked and "| unaddressable |" in parked, parked
+    # And the status of every rule, refreshed as the chain ended: not a tick behind.
+    status = run_artifacts(clean["flow_run_id"])["delivery-status"].data
+    [row] = json.loads(status) if isinstance(status, str) else status
+    assert (row["rule"], row["last chain"], row["exhausted"], row["delivered"]) == (RULE, "CaughtUp", 2, 2)
 
 
 def test_subflows_are_named_after_the_rule_carry_its_tags_and_run_no_empty_batch(

@@ -54,8 +54,8 @@ def test_tick_json_says_what_it_ran_and_the_status_artifact_shows_the_result(wor
     assert len(artifacts) == 1
     data = artifacts[0].data
     [row] = json.loads(data) if isinstance(data, str) else data
-    assert row["rule"] == RULE and row["delivered"] == 2 and row["last_ended_by"] == "caught_up"
-    assert row["due_retries"] == 0 and row["cursor_lag_seconds"] == 0.0
+    assert row["rule"] == RULE and row["delivered"] == 2 and row["last chain"] == "CaughtUp"
+    assert row["due retries"] == 0 and row["lag"] == "none"
 
 
 def test_tick_json_lists_a_failing_chain_and_exits_1(world: World) -> None:
