@@ -77,25 +77,26 @@ async def _launch(launch: Launch, token: str) -> dict[str, Any]:
 
 
 @flow(name="delivery-tick", retries=0)
-async def delivery_tick(dead_after_minutes: float | None = None) -> State[Any]:
+async def delivery_tick(dead_after_minutes: float = 0) -> State[Any]:
     """Start a chain for every enabled rule that has none alive and something to do; replace the
     dead ones.
 
     Args:
-        dead_after_minutes: How long a chain may go without a heartbeat before this tick judges it
-            dead, cancels its run and starts a new chain of its rule. Empty: the default
-            (DELIVERY_DEAD_CHAIN_MINUTES, 15 minutes unless set).
+        dead_after_minutes: How many minutes a chain may go without a heartbeat before this tick
+            judges it dead, cancels its run and starts a new chain of its rule (at most 10080, a
+            week). 0, the default: DELIVERY_DEAD_CHAIN_MINUTES, 15 minutes unless set.
     """
     logger = get_run_logger()
-    if dead_after_minutes is not None:
+    # 0 stands for "not given": a number field in the Run form cannot be left empty (None) cleanly.
+    if dead_after_minutes != 0:
         try:
             dead_chain_minutes(dead_after_minutes, "dead_after_minutes")
         except InputError as exc:
-            # NaN, 0 or a negative threshold would judge every live chain dead: nothing is done.
+            # NaN or a negative threshold would judge every live chain dead: nothing is done.
             logger.error("tick refused: %s", exc)
             return Failed(message=str(exc))  # plainly Failed: the tick-failed alert and filters find it
     engine = shared_engine()
-    threshold = dead_after(dead_after_minutes)
+    threshold = dead_after(dead_after_minutes or None)
     with engine.connect().execution_options(readonly=True) as conn:
         plan = plan_tick(conn, utcnow(), threshold)
     outcome = TickOutcome(plan)
@@ -148,7 +149,7 @@ def run_tick(dead_after_minutes: float | None = None) -> dict[str, Any]:
     import asyncio
 
     async def _run() -> Any:
-        return await delivery_tick(dead_after_minutes=dead_after_minutes, return_state=True)
+        return await delivery_tick(dead_after_minutes=dead_after_minutes or 0, return_state=True)
 
     state = asyncio.run(_run())
     data = state.result(raise_on_failure=False)

@@ -219,8 +219,8 @@ def test_the_tick_flow_refuses_the_same_parameter(prefect_api: None, engine: sa.
     with engine.begin() as conn:
         record_launch(conn, RULE, utcnow())
     before = (table_rows(engine, rules), _chains(engine))
-    state: Any = asyncio.run(delivery_tick(dead_after_minutes=0, return_state=True))  # type: ignore[arg-type]
-    assert state.is_failed()
+    state: Any = asyncio.run(delivery_tick(dead_after_minutes=-5, return_state=True))  # type: ignore[arg-type]
+    assert state.is_failed() and state.name == "Failed"
     assert state.message == "dead_after_minutes: Input should be greater than 0"
     assert (table_rows(engine, rules), _chains(engine)) == before
 

@@ -56,7 +56,7 @@ def server_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, s
         }
         for command in (
             ["work-pool", "create", "delivery", "--type", "process"],
-            ["--no-prompt", "deploy", "--name", "deliver-rule", "--name", "delivery-tick"],
+            ["--no-prompt", "deploy", "--all"],
         ):
             done = subprocess.run([*PREFECT, *command], cwd=ROOT, env=client_env, capture_output=True, text=True)
             assert done.returncode == 0, f"prefect {' '.join(command)}:\n{done.stdout}\n{done.stderr}"
@@ -244,3 +244,36 @@ def test_retry_from_the_ui_starts_a_fresh_chain_that_delivers(
     # The launch's chain ended with the fault; the retry ran a fresh chain of its own, which caught up.
     assert [c.token == started["chain_token"] for c in mine] == [True, False]
     assert mine[-1].ended_by == "caught_up"
+
+
+def _nulls(schema: Any) -> list[Any]:
+    """Every place in a JSON schema that allows null: the UI renders those as 'Property is type None'."""
+    if isinstance(schema, dict):
+        found = [schema] if schema.get("type") == "null" or schema.get("type") == ["null"] else []
+        return found + [n for value in schema.values() for n in _nulls(value)]
+    if isinstance(schema, list):
+        return [n for value in schema for n in _nulls(value)]
+    return []
+
+
+def test_every_deployment_form_describes_each_parameter_with_a_control_the_ui_renders(api: str) -> None:
+    names = ["deliver-rule/deliver-rule", "delivery-tick/delivery-tick"]
+    names += ["delivery-requeue/delivery-requeue", "delivery-preview/delivery-preview"]
+    schemas = {
+        name: _call(lambda client, n=name: client.read_deployment_by_name(n)).parameter_openapi_schema for name in names
+    }
+    for name, schema in schemas.items():
+        assert schema["properties"], name
+        for parameter, spec in schema["properties"].items():
+            assert spec.get("description"), f"{name}: {parameter} has no description"
+        assert _nulls(schema) == [], f"{name}: a parameter may be null: {_nulls(schema)}"
+    assert list(schemas["deliver-rule/deliver-rule"]["properties"]) == ["rule"]  # no chain_token
+    requeue = schemas["delivery-requeue/delivery-requeue"]
+    statuses = requeue["properties"]["statuses"]
+    assert statuses["type"] == "array" and statuses["default"] == ["exhausted", "remote_gone"]
+    items = statuses["items"]
+    if "$ref" in items:  # an enum of its own in definitions
+        items = requeue["definitions"][items["$ref"].rsplit("/", 1)[-1]]
+    assert sorted(items["enum"]) == ["exhausted", "failed", "remote_gone"]
+    tick = schemas["delivery-tick/delivery-tick"]["properties"]["dead_after_minutes"]
+    assert tick["type"] == "number" and tick["default"] == 0
