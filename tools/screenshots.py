@@ -5,19 +5,33 @@
 What it does, in a temporary working directory (nothing of the checkout's own `delivery.db` or
 Prefect home is touched):
 
-1. two sandbox targets on free ports: one healthy, one down (every write answers 503);
+1. three sandbox targets on free ports: one healthy, one down (every write answers 503), and the
+   billing target, which takes only the bearer token `BILLING_TOKEN`;
 2. `delivery apply` of three rules: `contacts-to-crm` (healthy target, `max_attempts: 1`, and two
    records too large for the target, so it catches up with two parked), `orders-to-erp` (the target
    that is down: its breaker opens mid-chain) and `companies-to-billing` (its target names a
-   `token_secret` block nobody created: it fails `MissingCredential`), and `delivery mirror load`;
+   `token_secret` block nobody has created yet: it fails `MissingCredential`), and `delivery mirror
+   load`;
 3. `delivery serve` on a free port (its own local Prefect server), as an operator starts it;
 4. through the served deployments, as the UI's "Run" would: one `deliver-rule` chain per rule, a
    dry-run `delivery-requeue` of the parked contacts, then one `delivery-tick` (it starts a chain for
-   every rule with something left to do and publishes the `delivery-status` artifact); it waits
-   until every run has ended and checks each run ended as its picture says (a picture of the wrong
-   thing fails the script);
-5. headless Chromium (Debian's `chromium`) photographs the Prefect UI pages into `--out`;
-6. SIGTERM to `delivery serve` (it cancels nothing, since nothing runs any more, stops its server
+   every rule with something left to do and publishes the `delivery-status` artifact);
+5. the operator's fix and Retry: the Secret block `billing-token` is created (holding the billing
+   target's token), and the tick's failed `companies-to-billing` chain is retried as the UI's Retry
+   does it (`POST /api/flow_runs/ID/set_state`, Scheduled "AwaitingRetry"): the served runner runs it
+   again, a fresh chain that catches up;
+6. a few contacts change (`delivery mirror load`: one new, one renamed, one edited and then put
+   back as it was delivered, one of the parked two edited), a `delivery-preview` run of
+   `contacts-to-crm` (its `preview-contacts-to-crm` artifact: create, update, suppress, skip), then
+   a second `contacts-to-crm` chain that parks nothing: the rule's standing
+   `parked-contacts-to-crm` artifact, refreshed at that chain's end, still lists the two records
+   parked by the first;
+   the script waits until every run has ended and checks each run ended, and is tagged, as its
+   picture says (a picture of the wrong thing fails the script);
+7. headless Chromium (Debian's `chromium`) photographs the Prefect UI pages into `--out`, each
+   checked first for the words it must show (and, for the runs list filtered on Failed, the words it
+   must not);
+8. SIGTERM to `delivery serve` (it cancels nothing, since nothing runs any more, stops its server
    and exits 0), the sandboxes stop, the working directory is removed (`--keep` keeps it).
 
 Chromium is needed: when it is missing the script installs Debian's package itself if it runs as
@@ -29,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import html
 import json
 import os
 import shutil
@@ -52,6 +67,12 @@ CAUGHT_UP_RULE = "contacts-to-crm"
 BREAKER_RULE = "orders-to-erp"
 FAULTY_RULE = "companies-to-billing"
 MISSING_BLOCK = "billing-token"
+#: The billing sandbox's bearer token: what the operator puts into the Secret block before the Retry.
+BILLING_TOKEN = "billing-sandbox-token-not-a-secret"
+#: The small contact loaded before the second chain of contacts-to-crm (the one that parks nothing).
+LATE_CONTACT = "c-021"
+#: The two contacts too large for the sandbox: the first chain parks them.
+PARKED_CONTACTS = ("c-007", "c-014")
 
 SERVE_START_SECONDS = 240.0
 RUN_SECONDS = 300.0
@@ -75,6 +96,8 @@ class Shot:
     shows: tuple[str, ...]
     #: Chromium's window: wide enough for a table's columns, tall enough for the list under a chart.
     size: str = "1400,900"
+    #: Texts the rendered page must not hold (a filtered list showing what the filter leaves out).
+    hides: tuple[str, ...] = ()
 
 
 @dataclass
@@ -84,10 +107,13 @@ class Story:
     caught_up_run: str = ""
     breaker_run: str = ""
     failed_run: str = ""
+    retried_run: str = ""
     requeue_run: str = ""
     records_artifact: str = ""
     requeue_artifact: str = ""
     status_artifact: str = ""
+    preview_artifact: str = ""
+    parked_artifact: str = ""
     requeue_deployment: str = ""
     states: dict[str, tuple[str, str]] = field(default_factory=dict)
 
@@ -98,13 +124,47 @@ class Story:
             Shot(
                 "runs-list.png",
                 "/v2/runs",
-                "the flow runs list",
-                ("CaughtUp", "BreakerOpen", "MissingCredential"),
-                size="1400,2300",
+                "the flow runs list, subflows named after their rule",
+                (
+                    "CaughtUp",
+                    "BreakerOpen",
+                    "Failed",
+                    "fault:MissingCredential",
+                    f"{CAUGHT_UP_RULE} · drain",
+                    f"{CAUGHT_UP_RULE} · scan",
+                ),
+                size="1400,2450",
+            ),
+            Shot(
+                "runs-failed.png",
+                # The runs page keeps its filters in the address: `state` holds state names.
+                "/v2/runs?state=Failed",
+                "the runs list filtered on Failed",
+                ("Failed", f"{FAULTY_RULE} -> billing", "fault:MissingCredential"),
+                size="1400,900",
+                hides=("CaughtUp", "BreakerOpen", f"{CAUGHT_UP_RULE} -> crm"),
             ),
             Shot("run-caught-up.png", run + self.caught_up_run, "a CaughtUp run", ("CaughtUp", "caught up")),
+            Shot(
+                "run-subflows.png",
+                run + self.caught_up_run + "?tab=SubflowRuns",
+                "a chain's subflows, named after its rule",
+                (f"{CAUGHT_UP_RULE} · drain", f"{CAUGHT_UP_RULE} · scan"),
+            ),
             Shot("run-breaker-open.png", run + self.breaker_run, "a BreakerOpen run", ("BreakerOpen", "breaker")),
-            Shot("run-failed.png", run + self.failed_run, "a Failed run", ("MissingCredential", MISSING_BLOCK)),
+            Shot(
+                "run-failed.png",
+                run + self.failed_run,
+                "a Failed run",
+                ("Failed", "fault:MissingCredential", "MissingCredential:", MISSING_BLOCK),
+            ),
+            Shot(
+                "run-retried.png",
+                run + self.retried_run,
+                "a failed run retried after its fix, caught up",
+                ("CaughtUp", "MissingCredential", "this run is a retry", "Finished in state CaughtUp"),
+                size="1400,1250",
+            ),
             Shot(
                 "artifact-records.png",
                 artifact + self.records_artifact,
@@ -115,16 +175,30 @@ class Story:
             Shot(
                 "artifact-status.png",
                 artifact + self.status_artifact,
-                "the status artifact",
-                ("delivery status",),
-                size="2400,700",
+                "the status artifact, once the tick's chains have ended",
+                ("Delivery status", "BreakerOpen", "Failed: MissingCredential", "CaughtUp"),
+                size="2400,650",
+            ),
+            Shot(
+                "artifact-parked.png",
+                artifact + self.parked_artifact,
+                "a rule's parked set after a chain that parked nothing",
+                ("2 records parked", *PARKED_CONTACTS, "delivery requeue"),
+                size="1800,1300",
+            ),
+            Shot(
+                "artifact-preview.png",
+                artifact + self.preview_artifact,
+                "a preview of the next chain",
+                ("create", "update", "suppress", "skip", LATE_CONTACT, "nothing was sent"),
+                size="1800,750",
             ),
             Shot(
                 "requeue-form.png",
                 f"/v2/deployments/deployment/{self.requeue_deployment}/run",
                 "the delivery-requeue run form",
-                ("statuses", "error_contains", "dry_run"),
-                size="1400,1250",
+                ("statuses", "exhausted", "remote_gone", "error_contains", "dry_run", "Which rows to take"),
+                size="1400,1400",
             ),
             Shot(
                 "requeue-artifact.png",
@@ -198,7 +272,7 @@ def run_cli(args: list[str], env: dict[str, str], cwd: Path) -> str:
 # -- the world the pictures show ---------------------------------------------------------------
 
 
-def config_yaml(healthy_url: str, down_url: str) -> str:
+def config_yaml(healthy_url: str, down_url: str, billing_url: str) -> str:
     """Three rules that end three ways (see the module docstring)."""
     config = {
         "connections": [
@@ -213,8 +287,9 @@ def config_yaml(healthy_url: str, down_url: str) -> str:
                 # then finds it open before sending anything.
                 "breaker": {"fail_max": 3, "reset_seconds": 900},
             },
-            # No Secret block of that name exists: every chain of the rule fails MissingCredential.
-            {"name": "billing", "driver": "rest", "base_url": healthy_url, "token_secret": MISSING_BLOCK},
+            # No Secret block of that name exists yet: every chain of the rule fails MissingCredential
+            # until the story creates it (holding BILLING_TOKEN, which the billing sandbox asks for).
+            {"name": "billing", "driver": "rest", "base_url": billing_url, "token_secret": MISSING_BLOCK},
         ],
         "rules": [
             {
@@ -241,25 +316,53 @@ def config_yaml(healthy_url: str, down_url: str) -> str:
     return json.dumps(config, indent=2)
 
 
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def _contact(n: int) -> dict[str, Any]:
+    """Contact number n (1-20) as first loaded; c-007 and c-014 are over the sandbox's 1 MiB body
+    limit (413: parked at once, with max_attempts 1)."""
+    names = ["Ada Lovelace", "Alan Turing", "Grace Hopper", "Edsger Dijkstra", "Barbara Liskov"]
+    payload: dict[str, Any] = {
+        "email": f"contact{n}@example.com",
+        "full_name": f"{names[(n - 1) % 5]} {n}",
+        "notes": "",
+    }
+    if f"c-{n:03d}" in PARKED_CONTACTS:
+        payload["notes"] = "x" * (1024 * 1024 + 100)
+    return {"id": f"c-{n:03d}", "payload": payload}
+
+
 def mirror_files(workdir: Path) -> dict[str, Path]:
     """JSONL mirror files per domain: 20 contacts (two too large for the sandbox: 413, parked),
     12 orders, 5 companies."""
-    names = ["Ada Lovelace", "Alan Turing", "Grace Hopper", "Edsger Dijkstra", "Barbara Liskov"]
-    contacts = []
-    for n in range(20):
-        name = f"{names[n % len(names)]} {n + 1}"
-        payload: dict[str, Any] = {"email": f"contact{n + 1}@example.com", "full_name": name, "notes": ""}
-        if n in (6, 13):
-            payload["notes"] = "x" * (1024 * 1024 + 100)  # over the sandbox's 1 MiB body limit
-        contacts.append({"id": f"c-{n + 1:03d}", "payload": payload})
+    contacts = [_contact(n) for n in range(1, 21)]
     orders = [{"id": f"o-{n + 1:04d}", "payload": {"total": 10 + n, "currency": "EUR"}} for n in range(12)]
     companies = [{"id": f"co-{n + 1}", "payload": {"name": f"Company {n + 1}"}} for n in range(5)]
-    files = {}
-    for domain, rows in (("contact", contacts), ("order", orders), ("company", companies)):
-        path = workdir / f"{domain}.jsonl"
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-        files[domain] = path
-    return files
+    return {
+        domain: _write_jsonl(workdir / f"{domain}.jsonl", rows)
+        for domain, rows in (("contact", contacts), ("order", orders), ("company", companies))
+    }
+
+
+def late_contact_files(workdir: Path) -> list[Path]:
+    """Contacts changed after the first chain, loaded in this order, so that the preview shows each
+    action: c-003 edited, then back as it was delivered (suppress); c-021 new (create); c-002 renamed
+    (update); c-007, parked, edited and still too large (skip: only a requeue puts it back). The
+    chain after them parks nothing."""
+    edited = _contact(3)
+    edited["payload"] = {**edited["payload"], "full_name": "Edsger W. Dijkstra 3"}
+    renamed = _contact(2)
+    renamed["payload"] = {**renamed["payload"], "full_name": "Alan M. Turing 2"}
+    parked = _contact(7)
+    parked["payload"] = {**parked["payload"], "notes": "y" * (1024 * 1024 + 100)}
+    new = {"id": LATE_CONTACT, "payload": {"email": "contact21@example.com", "full_name": "Alan Kay 21", "notes": ""}}
+    return [
+        _write_jsonl(workdir / "contact-edit.jsonl", [edited]),
+        _write_jsonl(workdir / "contact-late.jsonl", [_contact(3), new, renamed, parked]),
+    ]
 
 
 # -- delivery serve ----------------------------------------------------------------------------
@@ -364,10 +467,82 @@ def _expect(run: Any, state_type: str, name: str, what: str) -> None:
         raise ScreenshotError(f"{what}: expected {state_type} {name!r}, the run ended {got[0]} {got[1]!r}")
 
 
-async def drive(story: Story) -> None:
+def _expect_tags(run: Any, present: tuple[str, ...], absent_prefixes: tuple[str, ...], what: str) -> None:
+    tags = set(run.tags)
+    missing = [tag for tag in present if tag not in tags]
+    unwanted = sorted(tag for tag in tags if tag.startswith(absent_prefixes))
+    if missing or unwanted:
+        raise ScreenshotError(f"{what}: tags {sorted(tags)}; expected {missing or ''} absent {unwanted or ''}")
+
+
+async def _wait_for_chains() -> None:
+    """Until every `deliver-rule` run due by now has ended (those a tick started, for instance)."""
+    deadline = time.monotonic() + RUN_SECONDS
+    while await _unfinished_chains():
+        if time.monotonic() > deadline:
+            raise ScreenshotError("the chains the tick started did not end in time")
+        await asyncio.sleep(1)
+
+
+async def _latest_chain(rule: str, state_type: str) -> Any:
+    """The newest `deliver-rule` run of `rule` (by its `rule:` tag) in that state type."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        FlowRunFilterTags,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    async with get_client() as client:
+        runs = await client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["deliver-rule"])),
+            flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=[f"rule:{rule}"]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType(state_type)])),
+            ),
+            sort=FlowRunSort.START_TIME_DESC,
+            limit=1,
+        )
+    if not runs:
+        raise ScreenshotError(f"no {state_type} deliver-rule run of {rule}")
+    return runs[0]
+
+
+async def _retry_as_the_ui_does(run_id: UUID) -> Any:
+    """The UI's Retry on a finished run: its state set to Scheduled "AwaitingRetry" (not forced);
+    the served deployment's runner then runs it again. Returns the run once it has ended again."""
+    import httpx
+    from prefect import get_client
+
+    body = {"state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"}, "force": False}
+    async with httpx.AsyncClient(timeout=30) as http:
+        answer = await http.post(f"{os.environ['PREFECT_API_URL']}/flow_runs/{run_id}/set_state", json=body)
+    if answer.status_code >= 300 or answer.json().get("status") != "ACCEPT":
+        said = f"{answer.status_code} {answer.text[:500]}"
+        raise ScreenshotError(f"Retry of flow run {run_id}: the server answered {said}")
+    deadline = time.monotonic() + RUN_SECONDS
+    async with get_client() as client:
+        while True:
+            run = await client.read_flow_run(run_id)
+            if run.state is not None and run.state.is_final() and run.run_count >= 2:
+                break
+            if time.monotonic() > deadline:
+                raise ScreenshotError(f"the retried run {run_id} did not end within {RUN_SECONDS:.0f} s")
+            await asyncio.sleep(1)
+    print(f"  retried {run.name} (run count {run.run_count}): {run.state.type.value} {run.state.name!r}", flush=True)
+    return run
+
+
+async def drive(story: Story, env: dict[str, str], workdir: Path) -> None:
     """The runs the pictures show, each through a served deployment, in the order an operator
     would meet them; every ending checked."""
     from prefect import get_client
+    from prefect.blocks.system import Secret
 
     async with get_client() as client:
         # The 5-minute schedule would start a tick in the middle of the story (its chains would
@@ -377,10 +552,14 @@ async def drive(story: Story) -> None:
     print("running chains through the served deployments:", flush=True)
     caught_up = await _run("deliver-rule/deliver-rule", {"rule": CAUGHT_UP_RULE})
     _expect(caught_up, "COMPLETED", "CaughtUp", CAUGHT_UP_RULE)
+    _expect_tags(caught_up, ("ended:caught_up", "parked:2"), ("fault:",), CAUGHT_UP_RULE)
     breaker = await _run("deliver-rule/deliver-rule", {"rule": BREAKER_RULE})
     _expect(breaker, "COMPLETED", "BreakerOpen", BREAKER_RULE)
     failed = await _run("deliver-rule/deliver-rule", {"rule": FAULTY_RULE})
-    _expect(failed, "FAILED", "MissingCredential", FAULTY_RULE)
+    _expect(failed, "FAILED", "Failed", FAULTY_RULE)
+    _expect_tags(failed, ("fault:MissingCredential",), (), FAULTY_RULE)
+    if not (failed.state.message or "").startswith("MissingCredential: "):
+        raise ScreenshotError(f"{FAULTY_RULE}: the Failed state's message is {failed.state.message!r}")
     requeue = await _run(
         "delivery-requeue/delivery-requeue",
         {"rule": CAUGHT_UP_RULE, "statuses": ["exhausted"], "dry_run": True, "by": "screenshots"},
@@ -388,18 +567,39 @@ async def drive(story: Story) -> None:
     _expect(requeue, "COMPLETED", "Completed", "delivery-requeue (dry run)")
     tick = await _run("delivery-tick/delivery-tick", {})
     _expect(tick, "COMPLETED", "Completed", "delivery-tick")
-    # The tick only starts its chains; the list is photographed once they have all ended.
-    deadline = time.monotonic() + RUN_SECONDS
-    while await _unfinished_chains():
-        if time.monotonic() > deadline:
-            raise ScreenshotError("the chains the tick started did not end in time")
-        await asyncio.sleep(1)
+    # The tick only starts its chains; the story goes on once they have all ended. Each chain's end
+    # refreshes the delivery-status artifact: the newest now shows the three endings.
+    await _wait_for_chains()
+    story.status_artifact = await _artifact_id("delivery-status")
+
+    # The operator's fix: the Secret block the billing connection names, then Retry on the tick's
+    # failed chain of the rule (the hand-started one stays Failed, for its own picture).
+    ticks_failed = await _latest_chain(FAULTY_RULE, "FAILED")
+    if ticks_failed.id == failed.id:
+        raise ScreenshotError(f"the tick started no chain of {FAULTY_RULE}")
+    await Secret(value=BILLING_TOKEN).asave(MISSING_BLOCK, overwrite=True)
+    retried = await _retry_as_the_ui_does(ticks_failed.id)
+    _expect(retried, "COMPLETED", "CaughtUp", f"{FAULTY_RULE} retried")
+
+    # A preview of the next chain of contacts-to-crm once a few contacts have changed, then that
+    # chain: it parks nothing, and the rule's parked set still holds the first chain's two.
+    for path in late_contact_files(workdir):
+        run_cli(["mirror", "load", "--source", "shop", "--domain", "contact", path.name], env, workdir)
+    preview = await _run("delivery-preview/delivery-preview", {"rule": CAUGHT_UP_RULE})
+    _expect(preview, "COMPLETED", "Completed", "delivery-preview")
+    second = await _run("deliver-rule/deliver-rule", {"rule": CAUGHT_UP_RULE})
+    _expect(second, "COMPLETED", "CaughtUp", f"{CAUGHT_UP_RULE} (second chain)")
+    _expect_tags(second, ("ended:caught_up",), ("parked:", "failed:", "fault:"), f"{CAUGHT_UP_RULE} (second chain)")
+    await _wait_for_chains()
 
     story.caught_up_run, story.breaker_run = str(caught_up.id), str(breaker.id)
     story.failed_run, story.requeue_run = str(failed.id), str(requeue.id)
+    story.retried_run = str(retried.id)
     story.records_artifact = await _artifact_id(f"chain-{CAUGHT_UP_RULE}-records", caught_up.id)
-    story.requeue_artifact = await _artifact_id(f"requeue-{CAUGHT_UP_RULE}", requeue.id)
-    story.status_artifact = await _artifact_id("delivery-status", tick.id)
+    story.requeue_artifact = await _artifact_id(f"requeue-dry-run-{CAUGHT_UP_RULE}", requeue.id)
+    story.preview_artifact = await _artifact_id(f"preview-{CAUGHT_UP_RULE}", preview.id)
+    # The rule's standing parked set, as the second chain's end refreshed it.
+    story.parked_artifact = await _artifact_id(f"parked-{CAUGHT_UP_RULE}", second.id)
     async with get_client() as client:
         deployment = await client.read_deployment_by_name("delivery-requeue/delivery-requeue")
     story.requeue_deployment = str(deployment.id)
@@ -454,8 +654,11 @@ def take_all(chromium: str, ui: str, story: Story, out_dir: Path, budget_ms: int
         profile, url = workdir / "chromium-profile", ui + shot.path
         missing: list[str] = []
         for _ in range(3):
-            dom = rendered_text(chromium, url, shot.size, budget, profile)
+            dom = html.unescape(rendered_text(chromium, url, shot.size, budget, profile))
             missing = [text for text in shot.shows if text not in dom]
+            shown = [text for text in shot.hides if text in dom]
+            if shown:
+                raise ScreenshotError(f"{shot.file} ({shot.what}, {url}): the page shows {shown}, which it must not")
             if not missing and photograph(chromium, url, shot.size, target, budget, profile) >= BLANK_PNG_BYTES:
                 break
             budget *= 2
@@ -498,8 +701,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         healthy = SandboxServer(SandboxSettings(port=0))
         down = SandboxServer(SandboxSettings(port=0, fail_rate=1.0, seed=7))
-        with healthy, down:
-            (workdir / "config.yaml").write_text(config_yaml(healthy.url, down.url), encoding="utf-8")
+        billing = SandboxServer(SandboxSettings(port=0, token=BILLING_TOKEN))
+        with healthy, down, billing:
+            config = config_yaml(healthy.url, down.url, billing.url)
+            (workdir / "config.yaml").write_text(config, encoding="utf-8")
             run_cli(["apply", "config.yaml"], env, workdir)
             for domain, path in mirror_files(workdir).items():
                 run_cli(["mirror", "load", "--source", "shop", "--domain", domain, path.name], env, workdir)
@@ -508,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ.update({k: env[k] for k in ("PREFECT_HOME", "PREFECT_SERVER_ANALYTICS_ENABLED")})
                 os.environ["PREFECT_API_URL"] = f"{ui}/api"
                 story = Story()
-                asyncio.run(drive(story))
+                asyncio.run(drive(story, env, workdir))
                 print("photographing the Prefect UI (headless Chromium):", flush=True)
                 take_all(chromium, ui, story, args.out, args.budget_ms, workdir)
     except ScreenshotError as exc:
