@@ -100,7 +100,7 @@ class UnexpectedCandidate(RuleFault):
 
 
 class MissingCredential(RuleFault):
-    remedy = "set the variable or create the Secret block, then run the rule again (or Retry this run)"
+    remedy = "set the token where the message says (the variable or the Secret block), then Retry this run"
 
     def __init__(
         self,

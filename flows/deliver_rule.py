@@ -276,6 +276,10 @@ async def _label_run(chain: Chain) -> None:
         await client.update_flow_run(UUID(run_id), name=name, tags=tags)
 
 
+#: The tags `ending_tags` sets, replaced whole when a retried run ends again.
+ENDING_TAG_PREFIXES = ("ended:", "fault:", "parked:", "failed:")
+
+
 def ending_tags(report: ChainReport, fault: str | None = None) -> list[str]:
     """Tags that say how the chain ended, for the runs list and its tag filter: `ended:ENDING`
     always, `fault:CLASS` for a rule fault, `parked:N` and `failed:N` for records it parked or left
@@ -296,7 +300,9 @@ async def _tag_ending(chain: Chain, report: ChainReport, fault: str | None = Non
     run_id = flow_run.get_id()
     if run_id is None:
         return
-    tags = sorted({*flow_run.get_tags(), *rule_tags(chain), *ending_tags(report, fault)})
+    # A retried run's earlier ending goes: the tags say how this run ended last, not before.
+    kept = {t for t in flow_run.get_tags() if not t.startswith(ENDING_TAG_PREFIXES)}
+    tags = sorted({*kept, *rule_tags(chain), *ending_tags(report, fault)})
     async with get_client() as client:
         await client.update_flow_run(UUID(run_id), tags=tags)
 
@@ -452,6 +458,7 @@ async def _cancelled(chain: Chain, exc: BaseException) -> State[Any]:
         await _publish(report)
         await _publish_records(chain)
         await _publish_standing(chain)
+        await _tag_ending(chain, report)
         _announce(chain, report)  # `cancelled` tells nothing about the rule: no event
     get_run_logger().warning("chain of %s cancelled (%s): nothing more is written", chain.rule.name, type(exc).__name__)
     return Cancelled(message=report.message, data=report.as_json())

@@ -238,6 +238,8 @@ def test_retry_from_the_ui_starts_a_fresh_chain_that_delivers(
     run = _call(lambda client: client.read_flow_run(UUID(run_id)))
     assert (run.state.type.value, run.state.name) == ("COMPLETED", "CaughtUp"), run.state
     assert run.run_count == 2
+    # Its tags say how it ended now: the first attempt's fault is gone.
+    assert "ended:caught_up" in run.tags and not [t for t in run.tags if t.startswith(("fault:", "ended:rule"))]
     assert len(world.target.records("contacts")) == 1  # delivered by the retry
     with world.engine.connect() as conn:
         mine = conn.execute(sa.select(chains).where(chains.c.flow_run_id == run_id).order_by(chains.c.started_at)).all()

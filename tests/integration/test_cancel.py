@@ -28,6 +28,7 @@ from delivery.clock import utcnow
 from delivery.domain import Phase
 from delivery.store.ledger import CREATE_IN_FLIGHT
 from delivery.store.tables import chains, ledger
+from tests.integration.runs import run_tags
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
 
@@ -137,6 +138,7 @@ def _assert_stopped_mid_batch_and_wrote_nothing_after(
     time.sleep(1.5)  # a worker left running would settle one record per 200 ms
     assert (_ledger_count(world), len(world.target.requests)) == (written, requests)
     assert asyncio.run(_state_of(flow_run_id)) == "CANCELLED"
+    assert "ended:cancelled" in run_tags(flow_run_id)
 
 
 # -- `delivery run` stopped by a signal -----------------------------------------------------------
