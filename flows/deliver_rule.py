@@ -359,7 +359,7 @@ async def deliver_rule(rule: str) -> State[Any]:
     its ledger row.
 
     Args:
-        rule: The rule's name, as `delivery rules` lists it (e.g. contacts-to-crm).
+        rule: The rule's name, as delivery rules lists it (e.g. contacts-to-crm).
     """
     logger = get_run_logger()
     # A bad DELIVERY_* value fails the run here, before a chain exists: it is no fault of the rule,

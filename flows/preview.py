@@ -89,7 +89,7 @@ async def delivery_preview(rule: str, limit: Limit = DEFAULT_LIMIT) -> State[Any
     each as create, update, suppress or skip, and why. Nothing is sent and nothing is written.
 
     Args:
-        rule: The delivery rule to preview (its name, as `delivery rules` lists it).
+        rule: The delivery rule to preview (its name, as delivery rules lists it).
         limit: At most this many due retries, and this many of the scan's first changes, are
             listed (1 to 10000); the description says when more follow.
     """

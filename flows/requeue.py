@@ -237,7 +237,7 @@ def delivery_requeue(
     with dry_run on first: the artifact requeue-dry-run-RULE lists what it would take.
 
     Args:
-        rule: The rule whose records to put back, by name, e.g. contacts-to-crm (`delivery status`
+        rule: The rule whose records to put back, by name, e.g. contacts-to-crm (delivery status
             and the delivery-status artifact list the rules).
         statuses: Which rows to take: exhausted, remote_gone, failed. By default exhausted and
             remote_gone (the parked ones); an empty list means the same. Add failed to retry
@@ -249,7 +249,7 @@ def delivery_requeue(
             The default, 1970-01-01, takes them whenever they were parked.
         dry_run: On: only list what would be requeued (artifact requeue-dry-run-RULE), change
             nothing. Off: requeue them (artifact requeue-RULE) and refresh the parked-RULE artifact.
-        by: Who asks, recorded with the requeue (`delivery requeues` lists it). Empty: this run,
+        by: Who asks, recorded with the requeue (delivery requeues lists it). Empty: this run,
             by its id.
     """
     logger = get_run_logger()
