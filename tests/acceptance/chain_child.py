@@ -15,7 +15,9 @@ chain process writes `pid N`, then `open` once its chain is open (a kill is time
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 import traceback
@@ -55,8 +57,9 @@ def run_chain(url: str, rule: str) -> None:
         chain.finish(exc)
         raise
     report = chain.finish()
+    # No `engine.dispose()`: the process ends with `os._exit` right after this line, which closes
+    # its connections with it; everything the chain writes is committed by now.
     print(f"done {time.monotonic() - began:.3f} {attempted} {report.ended_by.value}", flush=True)
-    engine.dispose()
 
 
 def fork_server() -> None:
@@ -69,6 +72,9 @@ def fork_server() -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
+            # SIGUSR1 writes every thread's stack to stderr (the test's log): what the test sends
+            # a chain process that has not ended long after it said `done`.
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
             status = 0
             try:
                 run_chain(url, rule)
