@@ -16,11 +16,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from delivery.domain import (
+    DEFAULT_MAX_PAUSE_SECONDS,
+    BatchEndpoints,
     BreakerSettings,
     ConnectionSpec,
     ConnectionStatus,
     Forbidden,
     Policy,
+    RateLimit,
     RuleSpec,
     SavedRule,
     SettleMode,
@@ -59,6 +62,33 @@ class BreakerConfig(_Strict):
     reset_seconds: float = Field(default=60.0, gt=0, le=86_400)
 
 
+class RateLimitConfig(_Strict):
+    per_second: float | None = Field(default=None, gt=0, le=100_000)
+    per_day: int | None = Field(default=None, ge=1, le=1_000_000_000)
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> RateLimitConfig:
+        if self.per_second is None and self.per_day is None:
+            raise ValueError("give per_second, per_day or both")
+        return self
+
+
+# A path under the connection's base URL: no scheme, no query, no leading slash.
+BatchPath = Annotated[str, Field(min_length=1, max_length=500, pattern=r"^[A-Za-z0-9_\-.~][A-Za-z0-9_\-.~/]*$")]
+
+
+class BatchConfig(_Strict):
+    create_path: BatchPath | None = None
+    update_path: BatchPath | None = None
+    max_items: int = Field(default=100, ge=1, le=10_000)
+
+    @model_validator(mode="after")
+    def _some_path(self) -> BatchConfig:
+        if self.create_path is None and self.update_path is None:
+            raise ValueError("give create_path, update_path or both")
+        return self
+
+
 class ConnectionConfig(_Strict):
     name: Name
     driver: str | None = Field(default=None, min_length=1, max_length=200)
@@ -75,6 +105,12 @@ class ConnectionConfig(_Strict):
     settle: SettleMode = SettleMode.GROUPED
     # As a target: what its HTTP 403 means (see Forbidden): the token's fault (the rule's), or the record's.
     forbidden: Forbidden = Forbidden.TOKEN
+    # As a target: its request budget, shared by every rule and worker sending to it.
+    rate_limit: RateLimitConfig | None = None
+    # As a target: the longest a Retry-After (with a 429 or 503) pauses every send to it.
+    max_pause_seconds: float = Field(default=DEFAULT_MAX_PAUSE_SECONDS, gt=0, le=86_400)
+    # As a target: its batch endpoints.
+    batch: BatchConfig | None = None
 
     @field_validator("base_url")
     @classmethod
@@ -105,6 +141,13 @@ class ConnectionConfig(_Strict):
             token_secret=self.token_secret,
             settle=self.settle,
             forbidden=self.forbidden,
+            rate_limit=None
+            if self.rate_limit is None
+            else RateLimit(self.rate_limit.per_second, self.rate_limit.per_day),
+            max_pause_seconds=self.max_pause_seconds,
+            batch=None
+            if self.batch is None
+            else BatchEndpoints(self.batch.create_path, self.batch.update_path, self.batch.max_items),
         )
 
 

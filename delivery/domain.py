@@ -124,6 +124,29 @@ class BreakerSettings:
 
 
 @dataclass(frozen=True)
+class RateLimit:
+    """A target's request budget, shared by every rule and worker sending to it: at most
+    `per_second` requests a second (fractions allowed) and `per_day` a UTC day; None: no limit."""
+
+    per_second: float | None = None
+    per_day: int | None = None
+
+
+@dataclass(frozen=True)
+class BatchEndpoints:
+    """A target's batch endpoints (paths under its base URL) and how many records one call may
+    carry. A path left None: that verb is sent one record per call."""
+
+    create_path: str | None = None
+    update_path: str | None = None
+    max_items: int = 100
+
+
+#: The longest a target's Retry-After pauses it, unless its connection says otherwise.
+DEFAULT_MAX_PAUSE_SECONDS = 900.0
+
+
+@dataclass(frozen=True)
 class Connection:
     id: int
     name: str
@@ -141,6 +164,12 @@ class Connection:
     settle: SettleMode = SettleMode.GROUPED
     #: What a 403 from this target means.
     forbidden: Forbidden = Forbidden.TOKEN
+    #: As a target: its request budget (None: none).
+    rate_limit: RateLimit | None = None
+    #: As a target: the longest one Retry-After pauses every send to it.
+    max_pause_seconds: float = DEFAULT_MAX_PAUSE_SECONDS
+    #: As a target: its batch endpoints (None: one record per call).
+    batch: BatchEndpoints | None = None
 
 
 @dataclass(frozen=True)
@@ -180,6 +209,9 @@ class ConnectionSpec:
     token_secret: str | None = None
     settle: SettleMode = SettleMode.GROUPED
     forbidden: Forbidden = Forbidden.TOKEN
+    rate_limit: RateLimit | None = None
+    max_pause_seconds: float = DEFAULT_MAX_PAUSE_SECONDS
+    batch: BatchEndpoints | None = None
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 from delivery.clock import utcnow
 from delivery.domain import (
+    BatchEndpoints,
     BreakerSettings,
     Connection,
     ConnectionSpec,
@@ -19,6 +20,7 @@ from delivery.domain import (
     Cursor,
     Forbidden,
     Policy,
+    RateLimit,
     Rule,
     RuleSpec,
     SavedRule,
@@ -43,6 +45,13 @@ def connection_from_row(row: Any) -> Connection:
         token_secret=row.token_secret,
         settle=SettleMode(row.settle),
         forbidden=Forbidden(row.forbidden),
+        rate_limit=None
+        if row.rate_per_second is None and row.rate_per_day is None
+        else RateLimit(row.rate_per_second, row.rate_per_day),
+        max_pause_seconds=row.max_pause_seconds,
+        batch=None
+        if row.batch_create_path is None and row.batch_update_path is None
+        else BatchEndpoints(row.batch_create_path, row.batch_update_path, row.batch_max_items or 100),
     )
 
 
@@ -288,6 +297,12 @@ def save_config(
             "id_field": c.id_field,
             "breaker_fail_max": c.breaker.fail_max,
             "breaker_reset_seconds": c.breaker.reset_seconds,
+            "rate_per_second": c.rate_limit.per_second if c.rate_limit else None,
+            "rate_per_day": c.rate_limit.per_day if c.rate_limit else None,
+            "max_pause_seconds": c.max_pause_seconds,
+            "batch_create_path": c.batch.create_path if c.batch else None,
+            "batch_update_path": c.batch.update_path if c.batch else None,
+            "batch_max_items": c.batch.max_items if c.batch else None,
         }
         exists = conn.execute(sa.select(connections.c.id).where(connections.c.name == c.name)).scalar()
         if c.status is not None or exists is None:

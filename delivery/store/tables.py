@@ -65,6 +65,13 @@ connections = sa.Table(
     # What an HTTP 403 from this target means: `token` (the token may not write: a fault of the
     # rule, like a 401) or `record` (this record is refused: a fault of the record).
     sa.Column("forbidden", sa.String(20), nullable=False, server_default="token"),
+    # As a target: its request budget (null: none), the cap on a Retry-After pause, its batch endpoints.
+    sa.Column("rate_per_second", sa.Float),
+    sa.Column("rate_per_day", sa.Integer),
+    sa.Column("max_pause_seconds", sa.Float, nullable=False, server_default="900"),
+    sa.Column("batch_create_path", sa.String(500)),
+    sa.Column("batch_update_path", sa.String(500)),
+    sa.Column("batch_max_items", sa.Integer),
 )
 
 mirror_records = sa.Table(
@@ -204,6 +211,21 @@ requeues = sa.Table(
     # The `delivery-requeue` flow run that made it; null for a requeue from the command line.
     sa.Column("flow_run_id", sa.String(64)),
     sa.Index(None, "rule_id", "requested_at"),
+)
+
+#: A target's traffic, shared by every rule and worker sending to it: the next moment its rate budget
+#: lets a request out (requests are spaced evenly), the UTC day and its count for a daily budget,
+#: and a pause a Retry-After asked for. One row per target connection, made when first needed.
+target_traffic = sa.Table(
+    "target_traffic",
+    metadata,
+    sa.Column("connection_id", sa.Integer, sa.ForeignKey("connections.id"), primary_key=True),
+    sa.Column("next_send_at", UTCDateTime),
+    sa.Column("day", sa.String(10)),
+    sa.Column("day_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("paused_at", UTCDateTime),
+    sa.Column("paused_until", UTCDateTime),
+    sa.Column("pause_reason", sa.String(1000)),
 )
 
 breaker_states = sa.Table(
