@@ -20,8 +20,9 @@ from delivery.store.breaker import DatabaseBreakerStorage
 
 def _not_the_targets_fault(exc: BaseException) -> bool:
     """A refused or gone record, an unaddressable answer, a body we could not encode, and any other
-    exception from a writer (a bug, loud as a rule fault) say nothing about whether the target is up."""
-    return not isinstance(exc, TargetUnavailable)
+    exception from a writer (a bug, loud as a rule fault) say nothing about whether the target is up.
+    Nor does a 429/503 with Retry-After: the target is up and asks for a pause (`delivery.traffic`)."""
+    return not isinstance(exc, TargetUnavailable) or exc.pauses_target
 
 
 def reopens_at(opened_at: datetime | None, reset_seconds: float) -> datetime | None:

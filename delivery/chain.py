@@ -51,6 +51,7 @@ from delivery.settings import settings
 from delivery.step import RecordStep, Send
 from delivery.storable import storable_text
 from delivery.store import catalog, chains, ledger
+from delivery.traffic import JobBounds, TargetTraffic, TrafficListener
 from delivery.workers import Cut, Signals, work_through
 from delivery.writers.base import SecretReader, Writer, accepts_concurrency, token_for, token_problem, token_source
 from delivery.writers.registry import find_writer
@@ -62,6 +63,9 @@ HEARTBEAT_SECONDS = 1.0
 #: A chain waiting for the rule lock beats once per wait step: one newer than the lock's holder
 #: counts as waiting while it beat within two steps and this margin.
 HANDOVER_MARGIN_SECONDS = 10.0
+#: Seconds a job keeps in hand before its timeout, beyond one request's own timeout: a wait for
+#: the target's traffic never runs the job into its timeout (which would fail the chain).
+JOB_DEADLINE_MARGIN_SECONDS = 5.0
 
 
 class Chain:
@@ -76,14 +80,17 @@ class Chain:
         token: str | None = None,
         clock: Callable[[], datetime] = utcnow,
         breaker_listeners: Sequence[BreakerListener] = (),
+        traffic_listeners: Sequence[TrafficListener] = (),
     ) -> None:
         """Record a new chain, or adopt `token`, the chain row the tick recorded when it launched
         this run (so that a launched run waiting for a worker already counts as alive).
         `breaker_listeners` are attached to every breaker of the chain (the flows layer's way to
-        hear of a trip, which this module reports only as how a batch ended)."""
+        hear of a trip, which this module reports only as how a batch ended); `traffic_listeners`
+        to the target's traffic control (a pause and its end)."""
         self.engine = engine
         self.clock = clock
         self._breaker_listeners = tuple(breaker_listeners)
+        self._traffic_listeners = tuple(traffic_listeners)
         with engine.connect().execution_options(readonly=True) as conn:
             self.rule: Rule = catalog.get_rule(conn, rule_name)
         with engine.begin() as conn:
@@ -102,11 +109,16 @@ class Chain:
         self._writer: Writer | None = None
         self._step: RecordStep | None = None
         self._breaker: TargetBreaker | None = None
+        self._traffic: TargetTraffic | None = None
+        #: When the job in progress must have ended (see `_job_bounds`).
+        self._deadline: datetime | None = None
         #: The workers' breakers, the chain's own first (see `_work`).
         self._lanes: list[TargetBreaker] = []
         self._secret: str | None = None
         self._secrets: SecretReader | None = None
         self._beat_at = time.monotonic()
+        #: Seconds waited for traffic by the chain's earlier `TargetTraffic`s (a rule saved mid-chain).
+        self._waited_before = 0.0
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -124,6 +136,10 @@ class Chain:
         until = self._breaker.open_until(self.clock())
         if until is not None:
             return self._end(ChainEnd.BREAKER_OPEN, self._breaker_message(until))
+        self._traffic = TargetTraffic(self.engine, rule.target, self.clock, self._traffic_listeners)
+        paused = self._traffic.paused_until()
+        if paused is not None and paused > self._job_deadline(rule):
+            return self._end(ChainEnd.RATE_LIMITED, self._paused_message(paused))
         self._secrets = secrets
         self._equip(rule)
         return None
@@ -145,7 +161,15 @@ class Chain:
         if self._writer is not None:
             self._writer.close()
         self.rule, self._secret, self._writer = rule, token, writer
-        self._step = RecordStep(rule, writer, token, self.clock)
+        assert self._traffic is not None
+        if self._traffic.target != rule.target:
+            # Same target row, new budget or pause cap: the shared state stays in the database.
+            waited, self._traffic = (
+                self._traffic.waited_seconds,
+                TargetTraffic(self.engine, rule.target, self.clock, self._traffic_listeners),
+            )
+            self._waited_before += waited
+        self._step = RecordStep(rule, writer, token, self.clock, self._traffic)
 
     def _read_token(self, rule: Rule) -> str | None:
         secrets = self._secrets
@@ -182,6 +206,39 @@ class Chain:
         if self._step is None:
             raise RuntimeError("the chain has not opened")
         return self._step
+
+    @property
+    def waited_seconds(self) -> float:
+        """Seconds this chain's workers spent waiting for the target's traffic (budget, pauses)."""
+        return self._waited_before + (self._traffic.waited_seconds if self._traffic is not None else 0.0)
+
+    def _job_deadline(self, rule: Rule) -> datetime:
+        """The latest a job starting now may still make a request: a wait for the target's traffic
+        must end the job well before its timeout (`DELIVERY_BATCH_TIMEOUT_SECONDS`) would fail it,
+        leaving time for the request itself."""
+        budget = settings().batch_timeout_seconds - rule.target.timeout_seconds - JOB_DEADLINE_MARGIN_SECONDS
+        return self.clock() + timedelta(seconds=max(budget, 0.0))
+
+    def _held_message(self) -> str:
+        assert self._traffic is not None
+        paused = self._traffic.paused_until()
+        if paused is not None:
+            return self._paused_message(paused)
+        return (
+            f"target {self.rule.target.name!r}: its rate budget allows no more requests before this "
+            "job's deadline; the next tick resumes"
+        )
+
+    def job_bounds(self, stop: Any) -> JobBounds:
+        """The bounds of the job in progress for a worker whose stop signal is `stop`."""
+        assert self._deadline is not None
+        return JobBounds(self._deadline, stop)
+
+    def _paused_message(self, until: datetime) -> str:
+        return (
+            f"target {self.rule.target.name!r} is paused until {until.isoformat(timespec='seconds')} "
+            "(it asked for a pause with Retry-After); the next tick resumes"
+        )
 
     def _breaker_message(self, until: datetime | None) -> str:
         when = f" until {until.isoformat(timespec='seconds')}" if until else ""
@@ -247,7 +304,10 @@ class Chain:
                 candidates = ledger.scan_page(conn, rule, self._scan_from, rule.batch_size)
         if saved is not None:
             self._adopt(saved)
+        self._deadline = self._job_deadline(self.rule)
+        waited = self.waited_seconds
         attempted, ended = self._work(candidates, phase)
+        report.waited_seconds = self.waited_seconds - waited
         for status in attempted:
             if status is not None:
                 report.attempted += 1
@@ -258,6 +318,9 @@ class Chain:
         if ended is ChainEnd.BREAKER_OPEN:
             report.ended_by = ended
             report.message = self._breaker_message(self._breaker.open_until(self.clock()))
+        if ended is ChainEnd.RATE_LIMITED:
+            report.ended_by = ended
+            report.message = self._held_message()
         # The cursor moves past the records attempted, and only those: with writes in parallel a
         # breaker can cut a batch with holes, so it stops before the first record not attempted.
         highest: Cursor | None = None
@@ -365,13 +428,13 @@ class Chain:
                 self.left_to_requeue(candidate, "meanwhile")
                 return None
         try:
-            done = self.step.carry_out(candidate, plan, intent, breaker)
+            done = self.step.carry_out(candidate, plan, intent, breaker, self.job_bounds(signals.stop))
         except Unauthorized:
             self._withdraw(candidate, intent)  # refused before anything was applied
             raise
-        if done is None:
-            self._withdraw(candidate, intent)
-            return Cut(ChainEnd.BREAKER_OPEN)
+        if done is None or isinstance(done, ChainEnd):
+            self._withdraw(candidate, intent)  # nothing went out
+            return None if done is None else Cut(done)
         candidate, outcome = done
         if signals.over.is_set():
             # The job has ended (timeout, cancellation): nothing settles after it. The intent

@@ -93,6 +93,9 @@ class ChainEnd(enum.StrEnum):
     DISABLED = "disabled"
     #: Stopped by a person or by Prefect (cancellation, SIGTERM, Ctrl-C): neither a fault nor an alert.
     CANCELLED = "cancelled"
+    #: The target's traffic control (its rate budget, a Retry-After pause) held the next request
+    #: past the job's deadline: no fault; the next tick resumes.
+    RATE_LIMITED = "rate_limited"
 
 
 class Phase(enum.StrEnum):
@@ -326,6 +329,8 @@ class BatchReport:
     cursor_after: Cursor | None = None
     #: The records this job parked or left failed, each with why: an operator is told of each one.
     left_behind: list[LeftBehind] = field(default_factory=list)
+    #: Seconds the job's workers spent waiting for the target's traffic (rate budget, pauses).
+    waited_seconds: float = 0.0
 
     @property
     def empty(self) -> bool:

@@ -19,12 +19,16 @@
     │                                     connection says a 403 refuses one record
     └── RecordFault                     parks one record in its ledger row; the job carries on
         ├── TargetUnavailable             timeout, connection error, 5xx, 429: counts for the breaker;
-        │                                 `outcome_unknown` when the write may have been applied
+        │                                 `outcome_unknown` when the write may have been applied;
+        │                                 a 429/503 with Retry-After pauses the target instead
         ├── RecordRejected                any other 4xx about this record
         ├── RemoteGone                    an update answered 404/410
         ├── Unaddressable                 a create answered 2xx with no usable id
         └── UnsendablePayload             the writer cannot encode this record's body (e.g. NaN):
                                           exhausted at once, a retry would meet it again
+
+`TrafficHeld` stands apart: the target's traffic control (its rate budget, a pause) held a job's
+next request past the job's deadline. It is no fault: the chain ends `rate_limited`.
 
 Route closed and breaker open are not here on purpose: they are `ChainEnd` results, because the
 step did what the situation called for and a later chain resumes by itself.
@@ -157,10 +161,25 @@ class TargetUnavailable(RecordFault):
     "not applied" wrongly leaves the target stale for good, while the other mistake costs one
     write that changes nothing."""
 
-    def __init__(self, message: str, retry_after_seconds: float | None = None, *, outcome_unknown: bool = True) -> None:
+    def __init__(
+        self,
+        message: str,
+        retry_after_seconds: float | None = None,
+        *,
+        outcome_unknown: bool = True,
+        status_code: int | None = None,
+    ) -> None:
         self.retry_after_seconds = retry_after_seconds
         self.outcome_unknown = outcome_unknown
+        self.status_code = status_code
         super().__init__(message)
+
+    @property
+    def pauses_target(self) -> bool:
+        """A 429 or 503 with Retry-After: the target asks every sender to wait, not this record
+        to fail. It pauses the target (`delivery.traffic`), spends no attempt and counts nothing
+        for the breaker."""
+        return self.status_code in (429, 503) and self.retry_after_seconds is not None
 
 
 class RecordRejected(RecordFault):
@@ -178,3 +197,16 @@ class Unaddressable(RecordFault):
 class UnsendablePayload(RecordFault):
     """The writer cannot encode this record's body for the target (for JSON: NaN, Infinity, a value
     of no JSON type). No request went out; a retry would meet the same body again."""
+
+
+class TrafficHeld(DeliveryError):
+    """The target's traffic control holds the next request past the job's deadline: its rate budget
+    or a pause. No fault of the rule or the record: the chain ends `rate_limited` (Completed), and
+    the next tick's chain resumes."""
+
+    def __init__(self, target: str, until: object, reason: str) -> None:
+        self.target = target
+        self.until = until
+        self.reason = reason
+        when = until.isoformat(timespec="seconds") if hasattr(until, "isoformat") else str(until)
+        super().__init__(f"target {target!r} takes no request before {when}: {reason}")

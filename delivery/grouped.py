@@ -131,13 +131,13 @@ class GroupedJob:
                 return None
             self.sent.add(index)
         try:
-            done = self.chain.step.carry_out(candidate, plan, intent, breaker)
+            done = self.chain.step.carry_out(candidate, plan, intent, breaker, self.chain.job_bounds(signals.stop))
         except Unauthorized:
             self.sent.discard(index)  # refused before anything was applied: its intent goes back
             raise
-        if done is None:
-            self.sent.discard(index)
-            return Cut(ChainEnd.BREAKER_OPEN)
+        if done is None or isinstance(done, ChainEnd):
+            self.sent.discard(index)  # nothing went out: its intent goes back
+            return None if done is None else Cut(done)
         candidate, outcome = done
         if signals.over.is_set():
             return None

@@ -197,6 +197,7 @@ def after_fault(
     remote_id: str | None = None,
     unknown: bool = False,
     outage_until: datetime | None = None,
+    paused_until: datetime | None = None,
 ) -> Outcome:
     """Where a record fault puts the record's ledger row (ADR-0029). `message` is the fault as the
     row will show it (already cut and cleaned of secrets); `remote_id` is an id the write got
@@ -206,7 +207,10 @@ def after_fault(
     `outage_until`: the fault is the target's and its breaker is open after it (it tripped on this
     very failure, or this was the trial call after a cooldown), until then at the earliest. An
     outage never spends a record's last attempt: the record stays failed, due once the cooldown has
-    passed, so a target coming back finds it still in play rather than parked for a person."""
+    passed, so a target coming back finds it still in play rather than parked for a person.
+
+    `paused_until`: the target answered with a pause (a 429 or 503 with Retry-After) that outlasts
+    the job. That spends no attempt: the record stays failed, due the moment the pause ends."""
     attempts = (row.attempts if row else 0) + 1
     kept: dict[str, Any] = {}
     if unknown:
@@ -215,6 +219,11 @@ def after_fault(
         kept["remote_id"] = remote_id
         if row is None or row.remote_id != remote_id:
             kept["fingerprint"] = None  # what the target holds is not known to be ours yet
+    if paused_until is not None and isinstance(fault, TargetUnavailable):
+        next_at = max(paused_until, now)
+        return parked(
+            row, LedgerStatus.FAILED, attempts=attempts - 1, next_attempt_at=next_at, last_error=message, **kept
+        )
     if isinstance(fault, RemoteGone):
         return parked(row, LedgerStatus.REMOTE_GONE, attempts=attempts, last_error=message, **kept)
     if isinstance(fault, (Unaddressable, UnsendablePayload)):

@@ -47,6 +47,7 @@ RUN_STATE_NAMES: dict[ChainEnd, str] = {
     ChainEnd.ROUTE_CLOSED: "RouteClosed",
     ChainEnd.SUPERSEDED: "Superseded",
     ChainEnd.DISABLED: "Disabled",
+    ChainEnd.RATE_LIMITED: "RateLimited",
     ChainEnd.RULE_FAULT: "Failed",
     ChainEnd.CANCELLED: "Cancelled",
 }

@@ -16,17 +16,19 @@ import pybreaker
 
 from delivery import policy
 from delivery.breaker import TargetBreaker
-from delivery.domain import Candidate, LedgerRow, LedgerStatus, Outcome, Phase, Rule, Verb
+from delivery.domain import Candidate, ChainEnd, LedgerRow, LedgerStatus, Outcome, Phase, Rule, Verb
 from delivery.errors import (
     RecordFault,
     RuleFault,
     TargetUnavailable,
+    TrafficHeld,
     Unauthorized,
     UnexpectedCandidate,
     UnsupportedDeliveryVerb,
 )
 from delivery.redact import redact
 from delivery.storable import storable_text
+from delivery.traffic import JobBounds, TargetTraffic
 from delivery.writers.base import Creates, Updates, Writer
 
 #: Written on a delivered row when a create may have been answered with an older body and the
@@ -49,15 +51,28 @@ class Send:
     follow_up: bool = False
 
 
-class RecordStep:
-    """Check, plan and send one record of `rule` through `writer`. Thread-safe as far as the
-    writer is: it holds no state of its own between calls."""
+class _Stopped(Exception):
+    """The job stopped while a call waited for the target's traffic: the call was not made."""
 
-    def __init__(self, rule: Rule, writer: Writer, secret: str | None, clock: Callable[[], datetime]) -> None:
+
+class RecordStep:
+    """Check, plan and send one record of `rule` through `writer`, each call admitted by the
+    target's `traffic` first. Thread-safe as far as the writer is: it holds no state of its own
+    between calls."""
+
+    def __init__(
+        self,
+        rule: Rule,
+        writer: Writer,
+        secret: str | None,
+        clock: Callable[[], datetime],
+        traffic: TargetTraffic | None = None,
+    ) -> None:
         self.rule = rule
         self.writer = writer
         self.secret = secret
         self.clock = clock
+        self.traffic = traffic
 
     def check(self, candidate: Candidate, phase: Phase) -> None:
         """A candidate the query should never have returned is a broken invariant, raised and never
@@ -100,24 +115,37 @@ class RecordStep:
         return Send(verb, body, digest, follow_up=verb is Verb.CREATE and policy.create_may_be_a_replay(row, digest))
 
     def carry_out(
-        self, candidate: Candidate, plan: Outcome | Send, intent: LedgerRow | None, breaker: TargetBreaker
-    ) -> tuple[Candidate, Outcome] | None:
+        self,
+        candidate: Candidate,
+        plan: Outcome | Send,
+        intent: LedgerRow | None,
+        breaker: TargetBreaker,
+        bounds: JobBounds,
+    ) -> tuple[Candidate, Outcome] | ChainEnd | None:
         """The plan carried out: an outcome reached without writing, or the write sent (the
-        candidate then carries its create's intent row, which the settle checks). None when the
-        breaker refused the call: nothing went out."""
+        candidate then carries its create's intent row, which the settle checks). Nothing went out
+        when it returns how the batch must end instead (`breaker_open`: the breaker refused the
+        call; `rate_limited`: the target's traffic holds it past the job's deadline), or None (the
+        job stopped while the call waited for the target's traffic)."""
         if not isinstance(plan, Send):
             return candidate, plan
-        outcome = self.send(candidate, plan, intent, breaker)
-        if outcome is None:
-            return None
+        outcome = self.send(candidate, plan, intent, breaker, bounds)
+        if outcome is None or isinstance(outcome, ChainEnd):
+            return outcome
         return (candidate if intent is None else Candidate(candidate.record, intent)), outcome
 
     def send(
-        self, candidate: Candidate, plan: Send, intent: LedgerRow | None, breaker: TargetBreaker
-    ) -> Outcome | None:
-        """Make the write; the outcome it leads to, or None when the breaker refused the call.
-        The outcome is reckoned from the row as the page read it: the intent written before the
-        send (the candidate then carries it, for the settle's version check) is no outcome."""
+        self,
+        candidate: Candidate,
+        plan: Send,
+        intent: LedgerRow | None,
+        breaker: TargetBreaker,
+        bounds: JobBounds,
+    ) -> Outcome | ChainEnd | None:
+        """Make the write; the outcome it leads to, or (nothing went out) how the batch must end,
+        or None (see `carry_out`). The outcome is reckoned from the row as the page read it: the
+        intent written before the send (the candidate then carries it, for the settle's version
+        check) is no outcome."""
         rule, record, row = self.rule, candidate.record, candidate.ledger
         writer = self.writer
         remote_id = row.remote_id if row else None
@@ -131,7 +159,7 @@ class RecordStep:
                     raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
                 generation = row.create_generation if row else 0
                 key = policy.idempotency_key(rule.name, record.external_id, generation, rule.key_epoch)
-                remote_id = breaker.call(writer.create, plan.body, key)
+                remote_id = self._call(breaker, bounds, writer.create, plan.body, key)
                 if plan.follow_up:
                     # The same key may have carried an older body before (a crash before the
                     # settle, a timeout after the target took it): a target that honours the key
@@ -139,19 +167,22 @@ class RecordStep:
                     if not isinstance(writer, Updates):
                         return policy.delivered(row, remote_id, plan.digest, note=REPLAY_NOT_UPDATABLE)
                     updating = True
-                    breaker.call(writer.update, remote_id, plan.body)
+                    self._call(breaker, bounds, writer.update, remote_id, plan.body)
             else:
                 if not isinstance(writer, Updates):
                     raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
                 assert remote_id is not None
-                breaker.call(writer.update, remote_id, plan.body)
-        except pybreaker.CircuitBreakerError:
+                self._call(breaker, bounds, writer.update, remote_id, plan.body)
+        except (pybreaker.CircuitBreakerError, TrafficHeld, _Stopped) as held:
             if plan.verb is Verb.CREATE and remote_id is not None:
-                # The create went through and the follow-up update was refused: keep the id, and
+                # The create went through and the follow-up update was not sent: keep the id, and
                 # no fingerprint, so the next attempt updates.
-                refused = TargetUnavailable("breaker open before the follow-up update", outcome_unknown=False)
+                why = "breaker open" if isinstance(held, pybreaker.CircuitBreakerError) else "traffic held"
+                refused = TargetUnavailable(f"{why} before the follow-up update", outcome_unknown=False)
                 return self._after(row, refused, remote_id, breaker)
-            return None
+            if isinstance(held, _Stopped):
+                return None
+            return ChainEnd.BREAKER_OPEN if isinstance(held, pybreaker.CircuitBreakerError) else ChainEnd.RATE_LIMITED
         except Unauthorized as fault:
             raise fault.for_rule(rule.name) from fault
         except RuleFault:
@@ -160,6 +191,23 @@ class RecordStep:
             unknown = updating and isinstance(fault, TargetUnavailable) and fault.outcome_unknown
             return self._after(row, fault, remote_id, breaker, unknown=unknown)
         return policy.delivered(row, remote_id, plan.digest)
+
+    def _call(self, breaker: TargetBreaker, bounds: JobBounds, call: Callable[..., Any], *args: Any) -> Any:
+        """One request: admitted by the target's traffic, made through its breaker. A pause the
+        target asks for (a 429 or 503 with Retry-After) is waited out and the same request made
+        again, since the target says it did nothing with it, unless the pause outlasts the job:
+        then the fault reaches the record, which waits for the pause's end without spending an
+        attempt."""
+        if self.traffic is None:
+            raise RuntimeError("a step that sends needs the target's traffic control")
+        while True:
+            if not self.traffic.admit(bounds):
+                raise _Stopped
+            try:
+                return breaker.call(call, *args)
+            except TargetUnavailable as fault:
+                if not fault.pauses_target or self.traffic.pause(fault) > bounds.deadline:
+                    raise
 
     def _after(
         self,
@@ -171,8 +219,13 @@ class RecordStep:
         unknown: bool = False,
     ) -> Outcome:
         now = self.clock()
+        paused_until = None
+        if isinstance(fault, TargetUnavailable) and fault.pauses_target and self.traffic is not None:
+            paused_until = self.traffic.pause_end(fault, now)
         # Read only after the target's own failures: whether it is down now, the cooldown's end.
-        outage_until = breaker.outage_until(now) if isinstance(fault, TargetUnavailable) else None
+        outage_until = None
+        if isinstance(fault, TargetUnavailable) and paused_until is None:
+            outage_until = breaker.outage_until(now)
         return policy.after_fault(
             row,
             fault,
@@ -183,4 +236,5 @@ class RecordStep:
             remote_id=remote_id,
             unknown=unknown,
             outage_until=outage_until,
+            paused_until=paused_until,
         )

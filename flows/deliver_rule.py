@@ -43,6 +43,7 @@ from flows.lock import rule_lock
 from flows.parked_artifact import publish_parked_set
 from flows.secrets import read_secret_block
 from flows.status_artifact import publish_status
+from flows.traffic_events import RunTrafficListener
 
 #: What a chain stopped from outside raises: Ctrl-C, SIGTERM (Prefect turns it into a
 #: TerminationSignal; a worker cancelling the run sends it too), an asyncio/anyio cancellation, the
@@ -72,6 +73,7 @@ STATE_NAMES = {
     ChainEnd.ROUTE_CLOSED: "RouteClosed",
     ChainEnd.SUPERSEDED: "Superseded",
     ChainEnd.DISABLED: "Disabled",
+    ChainEnd.RATE_LIMITED: "RateLimited",
 }
 
 #: How many parked or failed records a chain's records artifact lists (the total is given too).
@@ -118,6 +120,11 @@ async def _run_phase(token: str, phase: Phase) -> ChainEnd | None:
             report = batch.with_options(task_run_name=f"{phase.value}-batch-{number}")(token, phase)
         if report.attempted:
             logger.info("%s batch %d: %d records: %s", phase.value, number, report.attempted, tally(report.counts))
+        if report.waited_seconds >= 0.05:
+            chain_logger.info(
+                "rule %s: %s batch %d waited %.1f s for target %s's traffic (its rate budget or a pause)",
+                chain.rule.name, phase.value, number, report.waited_seconds, chain.rule.target.name,
+            )  # fmt: skip
         _tell_left_behind(chain_logger, chain.rule.name, report)
         if report.ends_phase(chain.rule.batch_size):
             return report.ended_by
@@ -336,7 +343,9 @@ def _launch_token() -> str | None:
     return token if isinstance(token, str) else _launched_token.get()
 
 
-def _start_chain(rule: str, run_id: str | None, listeners: list[RunBreakerListener]) -> Chain | State[Any]:
+def _start_chain(
+    rule: str, run_id: str | None, listeners: list[RunBreakerListener], traffic: list[RunTrafficListener]
+) -> Chain | State[Any]:
     """The run's chain: the one the tick recorded when it launched this run, or a fresh one for a
     run started by hand. A launch whose chain has ended (the tick judged it dead before it ran) is
     superseded; but a run that ran before (Prefect's Retry, run count 2 and up) starts a fresh chain
@@ -344,12 +353,19 @@ def _start_chain(rule: str, run_id: str | None, listeners: list[RunBreakerListen
     token = _launch_token()
     if token is not None:
         try:
-            return Chain(shared_engine(), rule, flow_run_id=run_id, token=token, breaker_listeners=listeners)
+            return Chain(
+                shared_engine(),
+                rule,
+                flow_run_id=run_id,
+                token=token,
+                breaker_listeners=listeners,
+                traffic_listeners=traffic,
+            )
         except LookupError as exc:
             if flow_run.get_run_count() <= 1:
                 return Completed(message=f"superseded before it started: {exc}", name=STATE_NAMES[ChainEnd.SUPERSEDED])
             get_run_logger().info("rule %s: this run is a retry; its first chain has ended, a fresh one starts", rule)
-    return Chain(shared_engine(), rule, flow_run_id=run_id, breaker_listeners=listeners)
+    return Chain(shared_engine(), rule, flow_run_id=run_id, breaker_listeners=listeners, traffic_listeners=traffic)
 
 
 @flow(name="deliver-rule", retries=0, log_prints=False)
@@ -368,7 +384,7 @@ async def deliver_rule(rule: str) -> State[Any]:
     run_id = flow_run.get_id()
     # The breaker's trips reach this run's log (and Prefect's events) from the chain's workers.
     breakers = RunBreakerListener(rule, run_id, logger)
-    chain = _start_chain(rule, run_id, [breakers])
+    chain = _start_chain(rule, run_id, [breakers], [RunTrafficListener(rule, run_id, logger)])
     if not isinstance(chain, Chain):
         return chain
     _chains[chain.token] = chain

@@ -124,13 +124,24 @@ def test_rejected_field_error_carries_status_and_body_excerpt(world: World) -> N
     assert "email is invalid" in world.ledger()["bad"]["last_error"]
 
 
-def test_429_honours_retry_after(world: World) -> None:
+def test_429_honours_retry_after_up_to_the_connections_cap(world: World) -> None:
+    # A pause longer than the job can wait: the record waits for its end, spending no attempt.
+    world.apply(target={"max_pause_seconds": 7200})
     world.load("slow")
     world.target.program(world.key("slow"), Answer.status(429, headers={"Retry-After": "7200"}))
     world.run()
-    row = world.ledger()["slow"]
-    assert row["status"] == "failed"
+    row = world.full_ledger_row("slow")
+    assert row["status"] == "failed" and row["attempts"] == 0
     assert row["next_attempt_at"] >= utcnow() + timedelta(seconds=7100)
+
+
+def test_a_retry_after_beyond_the_cap_pauses_for_the_cap(world: World) -> None:
+    world.load("slow")
+    world.target.program(world.key("slow"), Answer.status(503, headers={"Retry-After": "7200"}))
+    world.run()
+    row = world.full_ledger_row("slow")
+    assert row["status"] == "failed" and row["attempts"] == 0
+    assert utcnow() + timedelta(seconds=800) <= row["next_attempt_at"] <= utcnow() + timedelta(seconds=900)
 
 
 @pytest.mark.parametrize("code", [404, 410])

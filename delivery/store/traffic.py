@@ -1,0 +1,158 @@
+"""A target's traffic in the database: its rate budget and a pause its Retry-After asked for, shared
+by every rule, worker and process sending to it (see `delivery.traffic`).
+
+The budget is a schedule of send slots, one every `1 / per_second` seconds (a generic cell rate
+algorithm with no burst): a sender takes the next slot in one short transaction that holds the row
+(FOR UPDATE on PostgreSQL; on SQLite the write transaction's BEGIN IMMEDIATE) and waits for it
+outside. So at most one request starts per interval, whoever sends it, without a list of past sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+
+from delivery.domain import RateLimit
+from delivery.store.tables import target_traffic
+
+#: Slots are spaced this much wider than `1 / per_second`: a request's own delays between taking
+#: its slot and reaching the target (a thread woken late, a busy network) must not bunch two
+#: requests closer than the target counts, or one window would see one request too many.
+SPACING_MARGIN = 1.05
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A send may start at `at` (now or later): it has been counted against the budget."""
+
+    at: datetime
+
+
+@dataclass(frozen=True)
+class Held:
+    """No send may start before `until`; `reason` says why (a pause, the day's budget spent, the
+    next free slot). Nothing was counted."""
+
+    until: datetime
+    reason: str
+    paused: bool = False
+
+
+@dataclass(frozen=True)
+class TrafficRow:
+    connection_id: int
+    next_send_at: datetime | None
+    day: str | None
+    day_count: int
+    paused_at: datetime | None
+    paused_until: datetime | None
+    pause_reason: str | None
+
+
+def ensure_row(engine: sa.Engine, connection_id: int) -> None:
+    with engine.begin() as conn:
+        found = conn.execute(
+            sa.select(target_traffic.c.connection_id).where(target_traffic.c.connection_id == connection_id)
+        ).first()
+        if found is None:
+            try:
+                with conn.begin_nested():
+                    conn.execute(target_traffic.insert().values(connection_id=connection_id, day_count=0))
+            except IntegrityError:
+                pass  # another process made it first: one row serves both
+
+
+def _locked(conn: sa.Connection, connection_id: int) -> TrafficRow:
+    query = sa.select(target_traffic).where(target_traffic.c.connection_id == connection_id)
+    if conn.dialect.name == "postgresql":
+        query = query.with_for_update()
+    return TrafficRow(**conn.execute(query).one()._asdict())
+
+
+def take_slot(
+    conn: sa.Connection, connection_id: int, limit: RateLimit | None, now: datetime, latest: datetime
+) -> Slot | Held:
+    """Count one send against the target's budget, at the first moment it allows, unless that is
+    after `latest` or the target is paused (then nothing is counted). Call inside a transaction."""
+    row = _locked(conn, connection_id)
+    if row.paused_until is not None and row.paused_until > now:
+        return Held(row.paused_until, row.pause_reason or "paused", paused=True)
+    if limit is None:
+        return Slot(now)
+    values: dict[str, object] = {}
+    if limit.per_day is not None:
+        today = now.date().isoformat()
+        count = row.day_count if row.day == today else 0
+        if count >= limit.per_day:
+            midnight = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), now.tzinfo)
+            return Held(midnight, f"the day's budget of {limit.per_day} requests is spent")
+        values.update(day=today, day_count=count + 1)
+    at = now
+    if limit.per_second is not None:
+        at = max(row.next_send_at or now, now)
+        if at > latest:
+            return Held(at, f"the budget of {limit.per_second:g} requests a second is taken until then")
+        values["next_send_at"] = at + timedelta(seconds=SPACING_MARGIN / limit.per_second)
+    conn.execute(target_traffic.update().where(target_traffic.c.connection_id == connection_id).values(**values))
+    return Slot(at)
+
+
+def pause(conn: sa.Connection, connection_id: int, until: datetime, reason: str, now: datetime) -> bool:
+    """Pause every send to the target until `until` (a later pause already there stands). Returns
+    whether the target was running until now: the pause is news."""
+    row = _locked(conn, connection_id)
+    running = row.paused_until is None or row.paused_until <= now
+    if running:
+        values = {"paused_at": now, "paused_until": until, "pause_reason": reason}
+    elif row.paused_until is not None and until > row.paused_until:
+        values = {"paused_until": until, "pause_reason": reason}
+    else:
+        return False
+    conn.execute(target_traffic.update().where(target_traffic.c.connection_id == connection_id).values(**values))
+    return running
+
+
+def end_pause(conn: sa.Connection, connection_id: int, now: datetime) -> TrafficRow | None:
+    """Clear a pause that is over. Returns the row as it was when this call cleared it (whoever
+    clears it says the target resumed), None when there was none to clear."""
+    row = conn.execute(
+        sa.select(target_traffic).where(
+            target_traffic.c.connection_id == connection_id,
+            target_traffic.c.paused_until.is_not(None),
+            target_traffic.c.paused_until <= now,
+        )
+    ).first()
+    if row is None:
+        return None
+    cleared = conn.execute(
+        target_traffic.update()
+        .where(
+            target_traffic.c.connection_id == connection_id,
+            target_traffic.c.paused_until == row.paused_until,
+        )
+        .values(paused_until=None, paused_at=None, pause_reason=None)
+    )
+    return TrafficRow(**row._asdict()) if cleared.rowcount == 1 else None
+
+
+def paused_until(conn: sa.Connection, connection_id: int, now: datetime) -> TrafficRow | None:
+    """The target's row while it is paused now, else None."""
+    row = conn.execute(
+        sa.select(target_traffic).where(
+            target_traffic.c.connection_id == connection_id, target_traffic.c.paused_until > now
+        )
+    ).first()
+    return None if row is None else TrafficRow(**row._asdict())
+
+
+def traffic_of(conn: sa.Connection, connection_ids: Iterable[int]) -> dict[int, TrafficRow]:
+    """The traffic rows of these connections (a target never sent to has none)."""
+    ids = list(connection_ids)
+    if not ids:
+        return {}
+    rows = conn.execute(sa.select(target_traffic).where(target_traffic.c.connection_id.in_(ids)))
+    return {row.connection_id: TrafficRow(**row._asdict()) for row in rows}

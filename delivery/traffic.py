@@ -1,0 +1,154 @@
+"""Traffic control of one target, as a chain's workers see it: its rate budget and the pause a
+Retry-After asked for, both shared through the database by every rule, worker and process sending
+to that target (`delivery.store.traffic`).
+
+Waiting here is neither a record fault nor a rule fault: it spends no attempt and counts nothing
+for the breaker. A job waits as long as its deadline allows; a wait that would outlast it ends the
+job with `TrafficHeld`, and the chain ends `rate_limited` (Completed): the next tick resumes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+
+from delivery.domain import Connection
+from delivery.errors import TargetUnavailable, TrafficHeld
+from delivery.store import traffic as store
+from delivery.store.traffic import Held, Slot
+
+#: How long a pause read from the database stands for a target with no rate budget (one with a
+#: budget reads it with every slot it takes): another process's 429 is seen this much later at most.
+PAUSE_READ_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class JobBounds:
+    """What a job's traffic wait must respect: the job's deadline (no wait may outlast it) and the
+    job's stop signal (a batch cut short, a timeout, a cancellation: the wait ends, nothing is sent)."""
+
+    deadline: datetime
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+class TrafficListener:
+    """Told when a target is paused (by the process whose write paused it) and when the pause is
+    over (by the process that found it over first)."""
+
+    def paused(self, target: str, until: datetime, reason: str) -> None:
+        """Override."""
+
+    def resumed(self, target: str, paused_at: datetime | None, until: datetime | None) -> None:
+        """Override."""
+
+
+class TargetTraffic:
+    """One chain's view of a target's traffic; thread-safe (the chain's workers share it)."""
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        target: Connection,
+        clock: Callable[[], datetime],
+        listeners: Sequence[TrafficListener] = (),
+    ) -> None:
+        self.engine = engine
+        self.target = target
+        self.clock = clock
+        self.listeners = list(listeners)
+        self._lock = threading.Lock()
+        self._waited = 0.0
+        self._pause: tuple[float, Held | None] | None = None
+        store.ensure_row(engine, target.id)
+
+    @property
+    def waited_seconds(self) -> float:
+        """Seconds this chain's workers have spent waiting for the target's traffic, all told."""
+        with self._lock:
+            return self._waited
+
+    def admit(self, bounds: JobBounds) -> bool:
+        """Wait until the target lets one more request out, and count it against its budget.
+        Returns False when `bounds.stop` was set meanwhile (nothing may be sent); raises
+        `TrafficHeld` when the wait would outlast the job's deadline (nothing was counted)."""
+        while True:
+            now = self.clock()
+            got = self._take(now, bounds.deadline)
+            if isinstance(got, Slot):
+                return self._wait(got.at, bounds)
+            if got.until > bounds.deadline:
+                raise TrafficHeld(self.target.name, got.until, got.reason)
+            if not self._wait(got.until, bounds):
+                return False
+            if got.paused:
+                self._resume()
+
+    def pause_end(self, fault: TargetUnavailable, now: datetime) -> datetime:
+        """When the pause `fault` asks for ends: its Retry-After, capped by the connection."""
+        seconds = min(fault.retry_after_seconds or 0.0, self.target.max_pause_seconds)
+        return now + timedelta(seconds=seconds)
+
+    def pause(self, fault: TargetUnavailable) -> datetime:
+        """Pause every send to the target as `fault` (a 429 or 503 with Retry-After) asks. Returns
+        when the pause ends."""
+        now = self.clock()
+        until = self.pause_end(fault, now)
+        reason = f"HTTP {fault.status_code or '-'} with Retry-After {fault.retry_after_seconds:g} s"
+        with self.engine.begin() as conn:
+            news = store.pause(conn, self.target.id, until, reason, now)
+        with self._lock:
+            self._pause = (time.monotonic(), Held(until, reason, paused=True))
+        if news:
+            for listener in self.listeners:
+                listener.paused(self.target.name, until, reason)
+        return until
+
+    def paused_until(self) -> datetime | None:
+        """When the target's pause ends, if it is paused now (read from the database)."""
+        with self.engine.connect().execution_options(readonly=True) as conn:
+            row = store.paused_until(conn, self.target.id, self.clock())
+        return None if row is None else row.paused_until
+
+    # -- inside --------------------------------------------------------------------------------
+
+    def _take(self, now: datetime, latest: datetime) -> Slot | Held:
+        if self.target.rate_limit is not None:
+            with self.engine.begin() as conn:
+                return store.take_slot(conn, self.target.id, self.target.rate_limit, now, latest)
+        with self._lock:
+            cached = self._pause
+        if cached is None or time.monotonic() - cached[0] >= PAUSE_READ_SECONDS:
+            with self.engine.connect().execution_options(readonly=True) as conn:
+                row = store.paused_until(conn, self.target.id, now)
+            held = None
+            if row is not None and row.paused_until is not None:
+                held = Held(row.paused_until, row.pause_reason or "paused", paused=True)
+            cached = (time.monotonic(), held)
+            with self._lock:
+                self._pause = cached
+        held = cached[1]
+        return held if held is not None and held.until > now else Slot(now)
+
+    def _wait(self, until: datetime, bounds: JobBounds) -> bool:
+        seconds = (until - self.clock()).total_seconds()
+        if seconds <= 0:
+            return not bounds.stop.is_set()
+        began = time.monotonic()
+        stopped = bounds.stop.wait(seconds)
+        with self._lock:
+            self._waited += time.monotonic() - began
+        return not stopped
+
+    def _resume(self) -> None:
+        with self.engine.begin() as conn:
+            row = store.end_pause(conn, self.target.id, self.clock())
+        with self._lock:
+            self._pause = None
+        if row is not None:
+            for listener in self.listeners:
+                listener.resumed(self.target.name, row.paused_at, row.paused_until)
