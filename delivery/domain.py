@@ -356,6 +356,8 @@ class ChainReport:
     cursor_before: Cursor | None = None
     cursor_after: Cursor | None = None
     batches: int = 0
+    #: Seconds the chain's workers spent waiting for the target's traffic (rate budget, pauses).
+    waited_seconds: float = 0.0
 
     @property
     def counts(self) -> Counter[str]:
@@ -363,6 +365,7 @@ class ChainReport:
 
     def add(self, batch: BatchReport) -> None:
         self.batches += 1
+        self.waited_seconds += batch.waited_seconds
         (self.drained if batch.phase is Phase.DRAIN else self.scanned).update(batch.counts)
         if batch.cursor_after is not None:
             self.cursor_after = batch.cursor_after
@@ -380,4 +383,5 @@ class ChainReport:
             "scanned": {s.value: self.scanned.get(s.value, 0) for s in LedgerStatus},
             "cursor_before": self.cursor_before.as_json() if self.cursor_before else None,
             "cursor_after": self.cursor_after.as_json() if self.cursor_after else None,
+            "waited_seconds": round(self.waited_seconds, 3),
         }

@@ -20,11 +20,14 @@ import sqlalchemy as sa
 from delivery.domain import Connection
 from delivery.errors import TargetUnavailable, TrafficHeld
 from delivery.store import traffic as store
-from delivery.store.traffic import Held, Slot
+from delivery.store.traffic import SPACING_MARGIN, Held, Slot
 
 #: How long a pause read from the database stands for a target with no rate budget (one with a
 #: budget reads it with every slot it takes): another process's 429 is seen this much later at most.
 PAUSE_READ_SECONDS = 0.5
+#: A sender that wakes this far (a fraction of the interval between slots) past its slot takes a
+#: new one (see `TargetTraffic._too_late`).
+LATE_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,8 @@ class TargetTraffic:
         self._waited = 0.0
         self._pause: tuple[float, Held | None] | None = None
         store.ensure_row(engine, target.id)
+        # A pause that ended while no chain was sending ends here, and is told of as over.
+        self._resume()
 
     @property
     def waited_seconds(self) -> float:
@@ -80,7 +85,11 @@ class TargetTraffic:
             now = self.clock()
             got = self._take(now, bounds.deadline)
             if isinstance(got, Slot):
-                return self._wait(got.at, bounds)
+                if not self._wait(got.at, bounds):
+                    return False
+                if self._too_late(got.at):
+                    continue  # the slot has passed: sending now would crowd the next one's
+                return True
             if got.until > bounds.deadline:
                 raise TrafficHeld(self.target.name, got.until, got.reason)
             if not self._wait(got.until, bounds):
@@ -133,6 +142,17 @@ class TargetTraffic:
                 self._pause = cached
         held = cached[1]
         return held if held is not None and held.until > now else Slot(now)
+
+    def _too_late(self, slot: datetime) -> bool:
+        """Whether a sender woke so late for its slot (a busy machine) that its request would reach
+        the target close behind the next slot's: it takes a new slot instead. So a request goes
+        out within `LATE_FRACTION` of an interval after its slot, and no window of a second sees
+        more than the budget."""
+        limit = self.target.rate_limit
+        if limit is None or limit.per_second is None:
+            return False
+        late = (self.clock() - slot).total_seconds()
+        return late > LATE_FRACTION * SPACING_MARGIN / limit.per_second
 
     def _wait(self, until: datetime, bounds: JobBounds) -> bool:
         seconds = (until - self.clock()).total_seconds()

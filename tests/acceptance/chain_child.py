@@ -5,7 +5,8 @@ starting the Prefect CLI costs seconds a round, and what a kill must hit is the 
 not the orchestration. There is no rule lock here: the test runs one chain at a time and closes the
 fence on a killed one, as the tick does for a dead chain.
 
-`python -m tests.acceptance.chain_child DATABASE_URL RULE` runs one chain. With `--fork-server` it
+`python -m tests.acceptance.chain_child DATABASE_URL RULE` runs one chain (with more rules, one
+chain of each side by side, on threads). With `--fork-server` it
 imports everything once and then forks a process per `run DATABASE_URL RULE` line read from stdin
 (a fresh interpreter per round would spend about a second importing, on every one of them). Each
 chain process writes `pid N`, then `open` once its chain is open (a kill is timed from there), then
@@ -19,6 +20,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -89,9 +91,20 @@ def fork_server() -> None:
         print(f"exit {os.waitstatus_to_exitcode(wait_status)}", flush=True)
 
 
+def run_chains(url: str, rules: list[str]) -> None:
+    """One chain per rule, side by side on threads of this process: a worker running several."""
+    threads = [threading.Thread(target=run_chain, args=(url, rule)) for rule in rules]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def main(argv: list[str]) -> int:
     if argv == ["--fork-server"]:
         fork_server()
+    elif len(argv) > 2:
+        run_chains(argv[0], argv[1:])
     else:
         run_chain(*argv)
     return 0

@@ -5,6 +5,7 @@ orchestration (the flow's own wiring is tested through Prefect elsewhere)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -13,11 +14,16 @@ from delivery.domain import BatchReport, ChainReport, Phase
 
 
 def drive(
-    engine: sa.Engine, rule: str, *, between_jobs: Callable[[Chain, BatchReport], None] | None = None
+    engine: sa.Engine,
+    rule: str,
+    *,
+    between_jobs: Callable[[Chain, BatchReport], None] | None = None,
+    **options: Any,
 ) -> ChainReport:
     """One whole chain of `rule`. A rule fault is recorded as the flow records it, then raised.
-    `between_jobs(chain, report)`: called after every job that does not end its phase."""
-    chain = Chain(engine, rule)
+    `between_jobs(chain, report)`: called after every job that does not end its phase; `options`
+    go to `Chain` (listeners, say)."""
+    chain = Chain(engine, rule, **options)
     try:
         ended = chain.open()
         for phase in (Phase.DRAIN, Phase.SCAN):

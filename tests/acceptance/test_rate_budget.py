@@ -1,0 +1,87 @@
+"""A target's rate budget holds across rules and processes (issue #18): 4 rules on 2 worker
+processes (two chains each, side by side), all sending to one target limited to 20 requests a
+second. The target counts the requests in every one-second window: never more than 20, and
+together at least 90 % of the budget while they send. Both databases."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+import yaml
+
+from delivery.apply import apply_config
+from delivery.config import parse_config
+from delivery.domain import MirrorInput
+from delivery.store.mirror import load_records
+from tests.target_server import TargetServer
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+PER_SECOND = 20
+RULES = [f"rule-{i}" for i in range(4)]
+RECORDS_PER_RULE = 60
+
+
+def config(target: TargetServer) -> dict[str, Any]:
+    return {
+        "connections": [
+            {
+                "name": "crm",
+                "driver": "rest",
+                "base_url": target.url,
+                "token_env": "CRM_TOKEN",
+                "timeout_seconds": 30,
+                "rate_limit": {"per_second": PER_SECOND},
+            },
+            {"name": "shop"},
+        ],
+        "rules": [
+            {
+                "name": name,
+                "source": "shop",
+                "domain": f"d{i}",
+                "target": "crm",
+                "collection": "contacts",
+                "policy": "create_and_update",
+                "batch_size": 25,
+                "concurrency": 4,
+            }
+            for i, name in enumerate(RULES)
+        ],
+    }
+
+
+def test_four_rules_on_two_workers_share_one_budget(engine: sa.Engine, db_url: str, target: TargetServer) -> None:
+    target.latency_ms = 20
+    with engine.begin() as conn:
+        apply_config(conn, parse_config(yaml.safe_dump(config(target))))
+        for i in range(len(RULES)):
+            records = [MirrorInput(f"{i}-{n}", {"email": f"{i}-{n}@example.com"}) for n in range(RECORDS_PER_RULE)]
+            load_records(conn, "shop", f"d{i}", records)
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.acceptance.chain_child", db_url, *pair],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for pair in (RULES[:2], RULES[2:])
+    ]
+    outputs = [worker.communicate(timeout=300) for worker in workers]
+    for worker, (out, err) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, err[-3000:]
+        assert out.count("done ") == 2, (out, err[-3000:])
+    times = sorted(request.time for request in target.requests)
+    assert len(times) == len(RULES) * RECORDS_PER_RULE
+    busiest = max(sum(1 for t in times[i:] if t < start + 1.0) for i, start in enumerate(times))
+    assert busiest <= PER_SECOND, f"{busiest} requests in one second"
+    rate = (len(times) - 1) / (times[-1] - times[0])
+    print(f"{len(times)} requests at {rate:.2f}/s, busiest second {busiest}")
+    assert rate >= 0.9 * PER_SECOND, f"{rate:.2f} requests a second"

@@ -1,0 +1,158 @@
+"""Traffic control per target (issue #18), driven without Prefect against the real local target on
+both databases: a Retry-After pauses the target for every rule and spends no attempt; a rate
+budget spaces requests; a daily budget stops the chain `rate_limited`; nothing counts for the
+breaker. The multi-process budget test is in tests/acceptance/test_rate_budget.py."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+import yaml
+
+from delivery.apply import apply_config
+from delivery.clock import utcnow
+from delivery.config import parse_config
+from delivery.domain import ChainEnd
+from delivery.store.tables import breaker_states, target_traffic
+from delivery.traffic import TrafficListener
+from tests.integration.world import RULE, World
+from tests.support.chains import drive
+from tests.target_server import Answer, TargetServer
+
+
+class Heard(TrafficListener):
+    def __init__(self) -> None:
+        self.told: list[tuple[str, str]] = []
+
+    def paused(self, target: str, until: datetime, reason: str) -> None:
+        self.told.append(("paused", reason))
+
+    def resumed(self, target: str, paused_at: datetime | None, until: datetime | None) -> None:
+        self.told.append(("resumed", target))
+
+
+@pytest.fixture
+def world(engine: sa.Engine, target: TargetServer) -> World:
+    return World(engine, target).apply(rule={"concurrency": 1})
+
+
+def traffic_row(world: World) -> sa.Row[tuple[object, ...]]:
+    with world.engine.connect() as conn:
+        return conn.execute(sa.select(target_traffic)).one()
+
+
+def breaker_failures(world: World) -> int:
+    with world.engine.connect() as conn:
+        return int(conn.execute(sa.select(breaker_states.c.fail_counter)).scalar_one())
+
+
+@pytest.mark.parametrize("code", [429, 503])
+def test_a_short_pause_is_waited_out_and_the_same_request_sent_again(world: World, code: int) -> None:
+    world.load("a", "b")
+    world.target.program(world.key("a"), Answer.status(code, headers={"Retry-After": "1"}))
+    heard = Heard()
+    report = drive(world.engine, RULE, traffic_listeners=[heard])
+    assert report.ended_by is ChainEnd.CAUGHT_UP and report.counts["delivered"] == 2
+    row = world.full_ledger_row("a")
+    assert row["status"] == "delivered" and row["attempts"] == 0
+    sent = world.target.requests_for(world.key("a"))
+    assert len(sent) == 2 and sent[1].time - sent[0].time >= 0.9
+    # "b" waited for the pause too: nothing reached the target while it lasted.
+    b = world.target.requests_for(world.key("b"))
+    assert len(b) == 1 and b[0].time >= sent[0].time + 0.9
+    assert report.waited_seconds >= 0.9
+    assert heard.told == [("paused", f"HTTP {code} with Retry-After 1 s"), ("resumed", "crm")]
+    assert breaker_failures(world) == 0
+    assert traffic_row(world).paused_until is None
+
+
+def test_a_pause_beyond_the_job_parks_nothing_and_ends_the_chain_rate_limited(world: World) -> None:
+    world.apply(target={"max_pause_seconds": 3600}, rule={"concurrency": 1})
+    world.load("a", "b", "c")
+    world.target.program(world.key("a"), Answer.status(429, headers={"Retry-After": "3000"}))
+    heard = Heard()
+    report = drive(world.engine, RULE, traffic_listeners=[heard])
+    assert report.ended_by is ChainEnd.RATE_LIMITED
+    assert "paused until" in report.message and "'crm'" in report.message
+    row = world.full_ledger_row("a")
+    assert row["status"] == "failed" and row["attempts"] == 0
+    assert row["next_attempt_at"] >= utcnow() + timedelta(seconds=2900)
+    # Nothing after it was sent or settled: b and c wait for the next chain.
+    assert world.target.count(world.key("b")) == world.target.count(world.key("c")) == 0
+    assert set(world.ledger()) == {"a"}
+    assert breaker_failures(world) == 0
+    assert [what for what, _ in heard.told] == ["paused"]
+
+    # Another rule's chain on the same target stops at its start: the pause is the target's.
+    config = world.config(target={"max_pause_seconds": 3600}, rule={"concurrency": 1})
+    config["rules"].append({**config["rules"][0], "name": "leads-to-crm", "domain": "lead"})
+    with world.engine.begin() as conn:
+        apply_config(conn, parse_config(yaml.safe_dump(config)))
+    world.load("l1", domain="lead")
+    before = len(world.target.requests)
+    other = drive(world.engine, "leads-to-crm")
+    assert other.ended_by is ChainEnd.RATE_LIMITED and len(world.target.requests) == before
+
+    # The pause over, the record that met it goes first, and then the rest.
+    with world.engine.begin() as conn:
+        conn.execute(target_traffic.update().values(paused_until=utcnow() - timedelta(seconds=1)))
+    world.make_due()
+    report = drive(world.engine, RULE, traffic_listeners=[heard])
+    assert report.ended_by is ChainEnd.CAUGHT_UP
+    assert report.drained["delivered"] == 1 and report.scanned["delivered"] == 2
+    assert heard.told[-1] == ("resumed", "crm")
+    assert world.target.requests[before].key == world.key("a")
+
+
+def test_a_retry_after_without_429_or_503_is_an_ordinary_failure(world: World) -> None:
+    world.load("a")
+    world.target.program(world.key("a"), Answer.status(500, headers={"Retry-After": "1"}))
+    report = drive(world.engine, RULE)
+    assert report.ended_by is ChainEnd.CAUGHT_UP
+    row = world.full_ledger_row("a")
+    assert row["status"] == "failed" and row["attempts"] == 1
+    assert breaker_failures(world) == 1
+    assert traffic_row(world).paused_until is None
+
+
+def test_a_daily_budget_spent_ends_the_chain_rate_limited(world: World) -> None:
+    world.apply(target={"rate_limit": {"per_day": 2}}, rule={"concurrency": 1})
+    world.load("a", "b", "c")
+    report = drive(world.engine, RULE)
+    assert report.ended_by is ChainEnd.RATE_LIMITED and "rate budget" in report.message
+    assert report.counts["delivered"] == 2 and len(world.target.requests) == 2
+    assert len(world.ledger()) == 2
+    row = traffic_row(world)
+    assert row.day == utcnow().date().isoformat() and row.day_count == 2
+    # The day's budget is the target's, whichever chain asks.
+    again = drive(world.engine, RULE)
+    assert again.ended_by is ChainEnd.RATE_LIMITED and len(world.target.requests) == 2
+
+
+def test_a_rate_budget_spaces_the_requests_of_concurrent_workers(world: World) -> None:
+    world.apply(target={"rate_limit": {"per_second": 10}}, rule={"concurrency": 4, "batch_size": 25})
+    ids = [f"r{i:02d}" for i in range(16)]
+    world.load(*ids)
+    report = drive(world.engine, RULE)
+    assert report.ended_by is ChainEnd.CAUGHT_UP and report.counts["delivered"] == 16
+    times = sorted(r.time for r in world.target.requests)
+    assert len(times) == 16
+    for i, start in enumerate(times):
+        assert sum(1 for t in times[i:] if t < start + 1.0) <= 10, "more than 10 requests in one second"
+    # Evenly spaced at the budget, not much slower: 15 gaps of 1.05/10 s.
+    assert times[-1] - times[0] < 15 * 0.105 + 1.0
+    assert report.waited_seconds > 0
+
+
+def test_a_wait_that_would_outlast_the_job_ends_it_rate_limited(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The job's deadline: 30 s of batch timeout less the request timeout (0.5 s) less 5 s of margin.
+    monkeypatch.setenv("DELIVERY_BATCH_TIMEOUT_SECONDS", "30")
+    world.apply(target={"rate_limit": {"per_second": 0.02}}, rule={"concurrency": 1})
+    world.load("a", "b")
+    report = drive(world.engine, RULE)
+    assert report.ended_by is ChainEnd.RATE_LIMITED
+    assert len(world.target.requests) == 1 and set(world.ledger()) == {"a"}
+    # "b" was not sent, and its intent was taken back: the next chain sends it as new.
+    assert world.ledger()["a"]["status"] == "delivered"
