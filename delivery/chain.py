@@ -308,6 +308,9 @@ class Chain:
         waited = self.waited_seconds
         attempted, ended = self._work(candidates, phase)
         report.waited_seconds = self.waited_seconds - waited
+        if ended is None and self._traffic is not None and self._traffic.paused_past(self._deadline):
+            # The target asked for a pause this job cannot wait out: no later job could send either.
+            ended = ChainEnd.RATE_LIMITED
         for status in attempted:
             if status is not None:
                 report.attempted += 1

@@ -10,11 +10,12 @@ from typing import Any
 import sqlalchemy as sa
 
 from delivery.breaker import reopens_at
-from delivery.domain import ChainEnd, LedgerStatus, Rule
+from delivery.domain import ChainEnd, Connection, LedgerStatus, Rule
 from delivery.policy import closed_connection, scan_start
 from delivery.store import catalog, chains
 from delivery.store import ledger as ledger_store
 from delivery.store import status as status_store
+from delivery.store import traffic as traffic_store
 from delivery.store.breaker import breaker_state
 
 
@@ -26,11 +27,11 @@ def _route(rule: Rule) -> tuple[bool, str]:
     return False, f"{role} {connection.name} is {connection.status.value}"
 
 
-def _breaker(conn: sa.Connection, rule: Rule, now: datetime) -> str:
-    state = breaker_state(conn, rule.target.id)
+def _breaker(conn: sa.Connection, target: Connection, now: datetime) -> str:
+    state = breaker_state(conn, target.id)
     if state is None or state["state"] == "closed":
         return "closed" if state is None or not state["fail_counter"] else f"closed ({state['fail_counter']} failures)"
-    until = reopens_at(state["opened_at"], rule.target.breaker.reset_seconds)
+    until = reopens_at(state["opened_at"], target.breaker.reset_seconds)
     if state["state"] == "open" and until is not None:
         if until > now:
             return f"open until {until.isoformat(timespec='seconds')}"
@@ -85,7 +86,9 @@ def _last_chain(conn: sa.Connection, rule: Rule) -> dict[str, Any] | None:
 
 def overview(conn: sa.Connection, now: datetime) -> list[dict[str, Any]]:
     result = []
-    for rule in catalog.list_rules(conn):
+    rules = catalog.list_rules(conn)
+    traffic = traffic_store.traffic_of(conn, {rule.target.id for rule in rules})
+    for rule in rules:
         route_open, route_why = _route(rule)
         oldest = status_store.oldest_undelivered(conn, rule, scan_start(rule))
         lag = round((now - oldest).total_seconds(), 1) if oldest else 0.0
@@ -96,7 +99,8 @@ def overview(conn: sa.Connection, now: datetime) -> list[dict[str, Any]]:
                 "enabled": rule.enabled,
                 "route_open": route_open,
                 "route": route_why,
-                "breaker": _breaker(conn, rule, now),
+                "breaker": _breaker(conn, rule.target, now),
+                "traffic": traffic_text(rule.target, traffic.get(rule.target.id), now),
                 "cursor": rule.cursor.as_json() if rule.cursor else None,
                 "cursor_lag_seconds": lag,
                 "counts": ledger_store.counts_by_status(conn, rule.id),
@@ -106,6 +110,58 @@ def overview(conn: sa.Connection, now: datetime) -> list[dict[str, Any]]:
                 "last_ending": last_ending(last),
                 "last_since": last_since(last),
                 "cursor_lag": plain_duration(lag),
+            }
+        )
+    return result
+
+
+def paused_until(row: traffic_store.TrafficRow | None, now: datetime) -> datetime | None:
+    """When the target's pause ends, if it is paused now."""
+    return row.paused_until if row is not None and row.paused_until and row.paused_until > now else None
+
+
+def sent_today(row: traffic_store.TrafficRow | None, now: datetime) -> int:
+    return row.day_count if row is not None and row.day == now.date().isoformat() else 0
+
+
+def traffic_text(target: Connection, row: traffic_store.TrafficRow | None, now: datetime) -> str:
+    """A target's traffic in words: its budget (`20/s, 100000/day (12 today)`, `no limit`), and
+    a pause a Retry-After asked for while it lasts."""
+    limit = target.rate_limit
+    parts = []
+    if limit is not None and limit.per_second is not None:
+        parts.append(f"{limit.per_second:g}/s")
+    if limit is not None and limit.per_day is not None:
+        parts.append(f"{limit.per_day}/day ({sent_today(row, now)} today)")
+    text = ", ".join(parts) or "no limit"
+    until = paused_until(row, now)
+    if until is not None and row is not None:
+        text += f"; paused until {plain_time(until.isoformat())} ({row.pause_reason or 'Retry-After'})"
+    return text
+
+
+def connection_overview(conn: sa.Connection, now: datetime) -> list[dict[str, Any]]:
+    """Every connection with its status, and as a target its breaker and traffic
+    (`delivery connection-status NAME`, `delivery connections`)."""
+    connections = catalog.list_connections(conn)
+    traffic = traffic_store.traffic_of(conn, {c.id for c in connections})
+    result = []
+    for c in connections:
+        row = traffic.get(c.id)
+        until = paused_until(row, now)
+        limit = c.rate_limit
+        result.append(
+            {
+                "name": c.name,
+                "driver": c.driver,
+                "status": c.status.value,
+                "breaker": _breaker(conn, c, now),
+                "rate_limit": None if limit is None else {"per_second": limit.per_second, "per_day": limit.per_day},
+                "sent_today": sent_today(row, now),
+                "paused_until": until.isoformat() if until else None,
+                "pause_reason": row.pause_reason if until is not None and row is not None else None,
+                "max_pause_seconds": c.max_pause_seconds,
+                "traffic": traffic_text(c, row, now),
             }
         )
     return result
@@ -180,6 +236,7 @@ def status_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "since": plain_time(r["last_since"]),
                 "route": r["route"],
                 "breaker": r["breaker"],
+                "traffic": r["traffic"],
                 "lag": r["cursor_lag"],
                 **{status.value.replace("_", " "): counts.get(status.value, 0) for status in LedgerStatus},
                 "due retries": r["due_retries"],

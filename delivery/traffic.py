@@ -117,6 +117,12 @@ class TargetTraffic:
                 listener.paused(self.target.name, until, reason)
         return until
 
+    def paused_past(self, moment: datetime) -> bool:
+        """Whether a pause this chain set or read lasts beyond `moment` (no database read)."""
+        with self._lock:
+            cached = self._pause
+        return cached is not None and cached[1] is not None and cached[1].until > moment
+
     def paused_until(self) -> datetime | None:
         """When the target's pause ends, if it is paused now (read from the database)."""
         with self.engine.connect().execution_options(readonly=True) as conn:

@@ -143,12 +143,34 @@ def list_connections(as_json: JsonFlag = False) -> None:
 @app.command("connection-status")
 def connection_status(
     name: Annotated[str, typer.Argument(help="Connection name.")],
-    status: Annotated[ConnectionStatus, typer.Argument(help="active | error | disabled")],
+    status: Annotated[
+        ConnectionStatus | None, typer.Argument(help="active | error | disabled; leave out to see the connection")
+    ] = None,
+    as_json: JsonFlag = False,
 ) -> None:
-    """Set a connection's status; a route is open only while both of its connections are active."""
-    with engine().begin() as conn:
-        catalog.set_connection_status(conn, name, status)
-    say(f"connection {name} is now {status.value}")
+    """Set a connection's status (a route is open only while both of its connections are
+    active); without a status, show it: status, breaker, and its traffic as a target (rate
+    budget, requests today, a pause its Retry-After asked for)."""
+    if status is not None:
+        with engine().begin() as conn:
+            catalog.set_connection_status(conn, name, status)
+        say(f"connection {name} is now {status.value}")
+        return
+    from delivery.clock import utcnow
+    from delivery.errors import UnknownName
+    from delivery.status import connection_overview
+
+    with read_only() as conn:
+        found = [c for c in connection_overview(conn, utcnow()) if c["name"] == name]
+    if not found:
+        raise UnknownName(f"no connection named {name!r}")
+    shown = found[0]
+    if as_json:
+        print_json(shown)
+        return
+    say(f"connection {name}: {shown['status']}")
+    say(f"  breaker: {shown['breaker']}")
+    say(f"  traffic: {shown['traffic']}")
 
 
 @app.command("rules")

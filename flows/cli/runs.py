@@ -90,8 +90,9 @@ def tick_command(
 
 @app.command("status")
 def status_command(as_json: JsonFlag = False) -> None:
-    """Per rule: how the last chain ended and since when, route, breaker, cursor lag (age of the
-    oldest undelivered change), ledger counts, due retries, and the last chain's message."""
+    """Per rule: how the last chain ended and since when, route, breaker, the target's traffic
+    (rate budget, a pause), cursor lag (age of the oldest undelivered change), ledger counts, due
+    retries, and the last chain's message."""
     from delivery.clock import utcnow
     from delivery.status import overview, plain_time, rule_label
 
@@ -108,6 +109,7 @@ def status_command(as_json: JsonFlag = False) -> None:
                 "since": plain_time(r["last_since"]),
                 "route": r["route"],
                 "breaker": r["breaker"],
+                "traffic": r["traffic"],
                 "lag": r["cursor_lag"],
                 "delivered": str(r["counts"]["delivered"]),
                 "failed (due)": f"{r['counts']['failed']} ({r['due_retries']})",

@@ -23,11 +23,12 @@ from flows.alerts import AUTOMATIONS_DIR
 from flows.breaker_events import OPENED
 from flows.cli import app
 from flows.deliver_rule import records_artifact_key
+from flows.traffic_events import PAUSED, RESUMED
 from tests.conftest import unique
 from tests.integration.runs import run_artifacts, run_logs, run_state
 from tests.integration.world import RULE, World
 from tests.prefect_server import prefect_server
-from tests.target_server import TargetServer
+from tests.target_server import Answer, TargetServer
 
 
 def _wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.5) -> Any:
@@ -126,6 +127,30 @@ def test_states_records_logs_and_one_breaker_event_on_a_real_server(world: World
     assert len(stored) == 1
     assert stored[0].payload["rule"] == RULE
     assert str(stored[0].related[0].id) == f"prefect.flow-run.{tripped['flow_run_id']}"
+
+
+def test_a_target_pause_shows_as_events_logs_and_a_rate_limited_run_on_a_real_server(world: World) -> None:
+    started = datetime.now(UTC)
+    world.apply(target={"max_pause_seconds": 3600})
+    world.load("a")
+    world.target.program(world.key("a"), Answer.status(429, headers={"Retry-After": "1"}))
+    waited = world.run()
+    assert run_state(waited["flow_run_id"]) == ("COMPLETED", "CaughtUp") and waited["counts"]["delivered"] == 1
+    logs = run_logs(waited["flow_run_id"])
+    assert [m for m in logs if "target crm asked for a pause (HTTP 429 with Retry-After 1 s)" in m], logs
+    assert [m for m in logs if "waited" in m and "for target crm's traffic" in m], logs
+    for name in (PAUSED, RESUMED):
+
+        def stored(name: str = name) -> list[Any]:
+            return _events(name, "delivery.connection.crm", started)
+
+        assert _wait_for(stored, 20, name)[0].payload["rule"] == RULE
+
+    world.load("b")
+    world.target.program(world.key("b"), Answer.status(503, headers={"Retry-After": "3000"}))
+    held = world.run()
+    assert run_state(held["flow_run_id"]) == ("COMPLETED", "RateLimited")
+    assert held["message"].startswith("target 'crm' is paused until ")
 
 
 # -- alerts ---------------------------------------------------------------------------------------
