@@ -477,6 +477,27 @@ def test_run_with_a_rule_fault_fails_with_exit_1(live: Path, engine: sa.Engine, 
     no_secret(proc, human)
 
 
+def test_run_against_a_daily_budget_ends_rate_limited_and_shows_the_budget(
+    live: Path, engine: sa.Engine, target: TargetServer
+) -> None:
+    name = write_yaml(live, "limited.yaml", config(target.url, target={"rate_limit": {"per_day": 1}}))
+    ok(delivery("apply", name, cwd=live))
+    proc = delivery("run", RULE, "--json", cwd=live, env=prefect_env())
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    result = json.loads(proc.stdout)
+    assert result["state"] == "COMPLETED" and result["ended_by"] == "rate_limited"
+    assert "rate budget" in result["message"] and result["counts"]["delivered"] == 1
+    assert len(target.requests) == 1
+    shown = as_json(delivery("connection-status", "crm", "--json", cwd=live))
+    assert shown["rate_limit"] == {"per_second": None, "per_day": 1} and shown["sent_today"] == 1
+    assert shown["paused_until"] is None
+    human = ok(delivery("connection-status", "crm", cwd=live)).stdout
+    assert "traffic: 1/day (1 today)" in human
+    overview = as_json(delivery("status", "--json", cwd=live))[0]
+    assert overview["traffic"] == "1/day (1 today)" and overview["last_ending"] == "RateLimited"
+    no_secret(proc)
+
+
 def test_run_of_an_unknown_rule_exits_2(applied: Path) -> None:
     proc = delivery("run", "nope", "--json", cwd=applied)
     refused(proc, "'nope'")
