@@ -508,5 +508,6 @@ def run_now(rule: str) -> dict[str, Any]:
         "scanned": report.get("scanned", empty),
         "cursor_before": report.get("cursor_before"),
         "cursor_after": report.get("cursor_after"),
+        "waited_seconds": report.get("waited_seconds", 0.0),
         "flow_run_id": flow_run_id,
     }
