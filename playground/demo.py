@@ -114,6 +114,7 @@ class Demo:
             self._step("3. changes: updates and suppressions", self._changes)
             self._step("4. faults: failed, parked and a breaker opening", self._faults)
             self._step("5. recovery: due retries drained first", self._recovery)
+            self._step("6. traffic control: a target with a rate budget", self._rate_limited)
         counts = self._summary(time.monotonic() - started)
         return counts
 
@@ -240,6 +241,32 @@ class Demo:
         time.sleep(2.1)
         self._chain("deliver-rule")
 
+    def _rate_limited(self) -> None:
+        config = yaml.safe_load(DEMO_CONFIG.read_text(encoding="utf-8"))
+        for connection in config["connections"]:
+            if connection["name"] == "crm":
+                connection["base_url"] = self.sandbox.url
+                connection["rate_limit"] = {"per_second": RATE_PER_SECOND}
+        with self.engine.begin() as conn:
+            apply_config(conn, parse_config(yaml.safe_dump(config)))
+        self.console.print(
+            f"crm now takes at most {RATE_PER_SECOND} requests a second from every rule and worker together "
+            f"(rate_limit: {{per_second: {RATE_PER_SECOND}}})"
+        )
+        rng = random.Random(31)
+        moved = rng.sample(self.sample, k=min(RATE_CHANGES, len(self.sample)))
+        for record in moved:
+            record["payload"]["company"] = "Budget Ltd"
+        self._load(_write(self.workdir / "budget.jsonl", moved))
+        started = time.monotonic()
+        result = self._chain("deliver-rule")
+        seconds = time.monotonic() - started
+        sent = result["counts"].get("delivered", 0)
+        self.console.print(
+            f"{sent} updates in {seconds:.1f} s; its workers waited {result['waited_seconds']:.1f} s in all "
+            f"for the budget (see `delivery connection-status crm`)"
+        )
+
     # -- helpers --------------------------------------------------------------------------------
 
     def _api(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -282,6 +309,11 @@ class Demo:
         ):
             self.console.print(f"  [cyan]{line}[/cyan]")
         return counts
+
+
+#: Step 6: the sandbox's budget, and how many contacts change under it (a couple of seconds' worth).
+RATE_PER_SECOND = 40
+RATE_CHANGES = 80
 
 
 def run_demo(workdir: Path, records: int = 3000, console: Console | None = None) -> dict[str, int]:
