@@ -254,7 +254,10 @@ class Demo:
             f"(rate_limit: {{per_second: {RATE_PER_SECOND}}})"
         )
         rng = random.Random(31)
-        moved = rng.sample(self.sample, k=min(RATE_CHANGES, len(self.sample)))
+        ledger = self._ledger_by_id()
+        # Records in play (not parked): each change is one update under the budget.
+        live = [r for r in self.sample if ledger.get(r["id"], {}).get("status") in ("delivered", "suppressed")]
+        moved = rng.sample(live, k=min(RATE_CHANGES, len(live)))
         for record in moved:
             record["payload"]["company"] = "Budget Ltd"
         self._load(_write(self.workdir / "budget.jsonl", moved))

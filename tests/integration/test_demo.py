@@ -39,6 +39,7 @@ def _expected_statuses(workdir: Path) -> dict[str, set[str]]:
         ("parked.jsonl", None),  # deleted in the target, or too large for it
         ("wobbly.jsonl", {"delivered", "exhausted"}),  # 20% 503s, then the target down, then back
         ("more.jsonl", {"delivered", "exhausted"}),  # loaded while the target is down, then back
+        ("budget.jsonl", {"delivered"}),  # records in play, sent under a rate budget
     ]
     for name, written in steps:
         for line in _lines(workdir / name):
