@@ -29,6 +29,7 @@ from delivery.domain import Candidate, ChainEnd, Cursor, LedgerStatus, Phase, Ru
 from delivery.errors import MissingWriter, UnexpectedCandidate, UnsupportedDeliveryVerb
 from delivery.step import RecordStep, Send
 from delivery.store import catalog, ledger
+from delivery.store import traffic as traffic_store
 from delivery.store.breaker import breaker_state
 from delivery.store.preview import read_only_snapshot, scan_changes
 from delivery.writers.base import Writer, verbs_of
@@ -72,7 +73,8 @@ def limit_problem(limit: object) -> str | None:
 @dataclass(frozen=True)
 class Hold:
     """Why the chain would not run through now. `kind`: `disabled`, `route_closed` or
-    `breaker_open` (the chain would end Completed at once, sending nothing), `missing_writer` (it
+    `breaker_open` (the chain would end Completed at once, sending nothing), `rate_limited` (the
+    target asked for a pause that has not ended: nothing would be sent before then), `missing_writer` (it
     would fail at once), or `missing_verb` (it would start, and fail at its first record that needs
     the verb the writer lacks)."""
 
@@ -268,6 +270,13 @@ def _hold(conn: sa.Connection, rule: Rule, writer_type: type[Writer] | None, now
                 f"breaker open for target {rule.target.name!r} until {until.isoformat(timespec='seconds')}; "
                 "the connection status is unchanged",
             )
+    paused = traffic_store.paused_until(conn, rule.target.id, now)
+    if paused is not None and paused.paused_until is not None:
+        return Hold(
+            ChainEnd.RATE_LIMITED.value,
+            f"target {rule.target.name!r} is paused until {paused.paused_until.isoformat(timespec='seconds')} "
+            f"({paused.pause_reason or 'Retry-After'}): nothing is sent before then",
+        )
     if writer_type is None:
         return Hold("missing_writer", str(MissingWriter(rule.name, rule.target.driver)))
     lacking = sorted(rule.policy.verbs - verbs_of(writer_type))

@@ -36,7 +36,7 @@ from delivery.preview import (
     preview,
 )
 from delivery.store import catalog
-from delivery.store.tables import breaker_states, ledger, metadata, mirror_records
+from delivery.store.tables import breaker_states, ledger, metadata, mirror_records, target_traffic
 from flows.cli import preview as cli_preview
 from flows.preview import artifact_key, delivery_preview
 from tests.integration.world import RULE, World
@@ -305,6 +305,16 @@ def _open_breaker(world: World) -> None:
         )
 
 
+def _pause_target(world: World) -> None:
+    with world.engine.begin() as conn:
+        target_id = catalog.get_rule(conn, RULE).target.id
+        conn.execute(
+            target_traffic.update()
+            .where(target_traffic.c.connection_id == target_id)
+            .values(paused_until=utcnow() + timedelta(seconds=300), pause_reason="HTTP 429 with Retry-After 300 s")
+        )
+
+
 HOLDS = {
     "disabled": (_disable, "the chain would not start now (disabled): rule 'contacts-to-crm' is disabled"),
     "route_closed": (
@@ -314,6 +324,10 @@ HOLDS = {
     "breaker_open": (
         _open_breaker,
         "the chain would not start now (breaker_open): breaker open for target 'crm' until",
+    ),
+    "rate_limited": (
+        _pause_target,
+        "the chain would not start now (rate_limited): target 'crm' is paused until",
     ),
     "missing_writer": (
         lambda world: world.set_driver("soap"),
