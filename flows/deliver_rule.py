@@ -169,6 +169,7 @@ async def _publish(report: ChainReport) -> None:
         f"**{report.rule}** ended by `{report.ended_by.value}`: {report.message or 'caught up'}\n\n"
         f"cursor before: {_cursor_words(report.cursor_before)}  \n"
         f"cursor after: {_cursor_words(report.cursor_after)}  \njobs: {report.batches}"
+        + (f"  \nwaited for the target's traffic: {report.waited_seconds:.1f} s" if report.waited_seconds else "")
     )
     await acreate_table_artifact(table=rows, key=_artifact_key(report.rule), description=description)
 
