@@ -248,6 +248,27 @@ def test_retry_from_the_ui_starts_a_fresh_chain_that_delivers(
     assert mine[-1].ended_by == "caught_up"
 
 
+def test_a_deployment_run_against_a_spent_budget_ends_rate_limited(
+    world: World, server_env: dict[str, str], tmp_path: Path
+) -> None:
+    from flows.tick import run_tick
+
+    world.apply(target={"rate_limit": {"per_day": 1}})
+    world.load("b")
+    env = {
+        **server_env,
+        "DELIVERY_DATABASE_URL": os.environ["DELIVERY_DATABASE_URL"],
+        "CRM_TOKEN": os.environ["CRM_TOKEN"],
+    }
+    run_id = next(r for r in run_tick()["rules"] if r["rule"] == RULE)["flow_run_id"]
+    _execute(run_id, env)
+    run = _call(lambda client: client.read_flow_run(UUID(run_id)))
+    assert (run.state.type.value, run.state.name) == ("COMPLETED", "RateLimited"), run.state
+    assert "ended:rate_limited" in run.tags
+    assert "rate budget" in run.state.message
+    assert len(world.target.requests) == 1
+
+
 def _nulls(schema: Any) -> list[Any]:
     """Every place in a JSON schema that allows null: the UI renders those as 'Property is type None'."""
     if isinstance(schema, dict):
