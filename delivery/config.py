@@ -27,10 +27,11 @@ from delivery.domain import (
     RuleSpec,
     SavedRule,
     SettleMode,
+    Verb,
 )
 from delivery.errors import ConfigError
 from delivery.storable import text_problem
-from delivery.writers.base import verbs_of
+from delivery.writers.base import Writer, batch_verbs_of, verbs_of
 from delivery.writers.registry import find_writer, registered_drivers
 
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]
@@ -490,9 +491,10 @@ def load_config(path: Path) -> DeliveryConfig:
 def check_rules(
     config: DeliveryConfig, known_connections: dict[str, str | None], saved_rules: Iterable[SavedRule] = ()
 ) -> None:
-    """Cross-checks that need the connections: referenced names exist, and the target's writer
-    offers every verb the policy needs. `known_connections` maps name -> driver, the file's
-    connections overriding the database's. `saved_rules` are the rules already in the database:
+    """Cross-checks that need the connections: referenced names exist, the target's writer offers
+    every verb the policy needs (one record per call or in batches: `verbs_of`), and a connection's
+    `batch` paths name only verbs its driver offers in batches. `known_connections` maps name ->
+    driver, the file's connections overriding the database's. `saved_rules` are the rules already in the database:
     the file's connections can change the driver under them, so each one whose target the file
     declares (and that the file does not re-declare itself) is checked against the result too."""
     problems = []
@@ -526,8 +528,36 @@ def check_rules(
                 f"connections[{index}].base_url: connection {connection.name!r} with driver "
                 f"{connection.driver!r} needs a base_url"
             )
+        problems.extend(_batch_problems(index, connection, writer))
     if problems:
         raise ConfigError(problems)
+
+
+def _batch_problems(index: int, connection: ConnectionConfig, writer: type[Writer] | None) -> list[str]:
+    """A batch path the connection's driver would never send to: the driver offers no batch form
+    of that verb, for a connection with these paths (`Writer.for_batch`). A driver with no
+    registered writer is not judged here: a rule targeting it is refused for that already."""
+    batch = connection.spec().batch
+    if batch is None:
+        return []
+    problems = []
+    for field, path, verb in (
+        ("create_path", batch.create_path, Verb.CREATE),
+        ("update_path", batch.update_path, Verb.UPDATE),
+    ):
+        if path is None:
+            continue
+        head = f"connections[{index}].batch.{field}: connection {connection.name!r} names a batch {verb.value} path"
+        if connection.driver is None:
+            problems.append(f"{head}, but has no driver to send to it")
+        elif writer is not None and verb not in batch_verbs_of(writer.for_batch(batch)):
+            lacks = (
+                f"does not offer the {verb.value!r} verb at all"
+                if verb not in verbs_of(writer)
+                else f"offers no batch {verb.value!r} verb"
+            )
+            problems.append(f"{head}, but driver {connection.driver!r} {lacks}: remove batch.{field}")
+    return problems
 
 
 def _saved_rule_problems(

@@ -9,6 +9,15 @@ Why per-record scripting: delivery tests need to say "this one record fails
 twice then succeeds" while the rest of the batch behaves normally, so answers
 are queued per *record key* rather than globally.
 
+Batch endpoints (the `rest` driver's wire format, see delivery/writers/rest.py):
+``POST /{collection}/batch`` takes ``{"items": [{"idempotency_key": K, "record": BODY}]}`` and
+``PATCH /{collection}/batch`` takes ``{"items": [{"id": ID, "record": BODY}]}``; both answer 200
+with ``{"results": [...]}``, one result per item in order, each item handled exactly as the
+single endpoint would handle it (its idempotency key honoured like the ``Idempotency-Key``
+header, answers programmed for its record key applied to it alone). A batch call is recorded
+as one request, with the record keys of its items in ``item_keys``; :meth:`TargetServer.program_batch`
+scripts the whole call (a 400 without results, a 500, a 429 with Retry-After, a timeout...).
+
 Only the standard library is used so the server can never drift with a
 third-party dependency upgrade.
 """
@@ -31,6 +40,8 @@ from urllib.parse import urlsplit
 __all__ = ["Answer", "AnswerKind", "RecordedRequest", "TargetServer"]
 
 API_PREFIX = "/api"
+#: The last path segment of the batch endpoints: ``/api/{collection}/batch``.
+BATCH_SEGMENT = "batch"
 
 AnswerKind = Literal["status", "timeout", "no_id", "not_json", "drop", "echo_headers", "bad_gzip", "raw"]
 
@@ -124,6 +135,8 @@ class RecordedRequest:
 
     ``headers`` keys are lower-cased so assertions do not depend on the client's
     casing; ``time`` is ``time.monotonic()`` so tests can measure backoff gaps.
+    A batch call is one request: ``batch`` is set, ``item_keys`` holds the record
+    key of each of its items (None for an item without one) and ``items`` the items.
     """
 
     method: str
@@ -132,6 +145,18 @@ class RecordedRequest:
     json: Any | None
     key: str | None
     time: float
+    batch: bool = False
+    item_keys: tuple[str | None, ...] = ()
+
+    @property
+    def items(self) -> list[Any]:
+        """A batch call's items as they arrived (empty for a single-record request)."""
+        if not self.batch or not isinstance(self.json, dict) or not isinstance(self.json.get("items"), list):
+            return []
+        return list(self.json["items"])
+
+    def concerns(self, key: str) -> bool:
+        return self.key == key or key in self.item_keys
 
 
 @dataclass
@@ -247,6 +272,8 @@ class TargetServer:
         self._lock = threading.Lock()
         self._collections: dict[str, dict[str, dict[str, Any]]] = {}
         self._scripts: dict[str, deque[Answer]] = {}
+        # Whole-call answers for batch calls, each for one method or (None) either.
+        self._batch_scripts: deque[tuple[str | None, Answer]] = deque()
         self._idempotency: dict[tuple[str, str], dict[str, Any]] = {}
         self._next_id = 1
         self._httpd: _HTTPServer | None = None
@@ -320,6 +347,22 @@ class TargetServer:
         with self._lock:
             self._scripts.setdefault(str(key), deque()).extend(answers)
 
+    def program_batch(self, *answers: Answer, method: str | None = None) -> None:
+        """Queue answers for the next batch calls as a whole (``method``: only POST or only PATCH
+        ones); once drained, each item is handled on its own again.
+
+        ``status`` answers exactly that and stores nothing (a 400 without results, a 500, a 429
+        with ``Retry-After``, or a 200 with a results list of the test's making); ``raw`` sends
+        its bytes; ``drop`` hangs up; ``timeout`` stalls, then handles the call; ``echo_headers``
+        answers its code with the request headers; ``no_id``, ``not_json`` and ``bad_gzip`` (no
+        code) handle every item, then answer without results, with text, or with a broken gzip.
+        """
+        for answer in answers:
+            if not isinstance(answer, Answer):
+                raise TypeError(f"expected Answer, got {type(answer).__name__}")
+        with self._lock:
+            self._batch_scripts.extend((method, answer) for answer in answers)
+
     def program_remote(self, remote_id: str, *answers: Answer) -> None:
         """Script PATCHes by remote id; same queue as :meth:`program` since PATCH keys on its id."""
         self.program(remote_id, *answers)
@@ -329,6 +372,7 @@ class TargetServer:
         with self._lock:
             self._collections.clear()
             self._scripts.clear()
+            self._batch_scripts.clear()
             self._idempotency.clear()
             self.requests.clear()
             self._next_id = 1
@@ -338,14 +382,20 @@ class TargetServer:
     # ------------------------------------------------------------------ counters
 
     def count(self, key: str) -> int:
-        """How many requests (whatever their answer) concerned ``key``."""
+        """How many requests (whatever their answer) concerned ``key``: a batch call carrying an
+        item of that key counts once."""
         with self._lock:
-            return sum(1 for r in self.requests if r.key == key)
+            return sum(1 for r in self.requests if r.concerns(key))
 
     def requests_for(self, key: str) -> list[RecordedRequest]:
         """The requests about ``key`` in arrival order, for timing/header assertions."""
         with self._lock:
-            return [r for r in self.requests if r.key == key]
+            return [r for r in self.requests if r.concerns(key)]
+
+    def batch_requests(self) -> list[RecordedRequest]:
+        """The batch calls in arrival order."""
+        with self._lock:
+            return [r for r in self.requests if r.batch]
 
     def records(self, collection: str) -> dict[str, dict[str, Any]]:
         """A deep copy of what is stored, so test assertions cannot race with handlers."""
@@ -371,6 +421,9 @@ class TargetServer:
                 body = json.loads(raw)
             except ValueError:
                 body_error = True
+
+        if collection is not None and remote_id == BATCH_SEGMENT and method in ("POST", "PATCH"):
+            return self._dispatch_batch(method, path, headers, body, body_error, collection)
 
         key = self._record_key(method, headers, body, remote_id)
         header_dict = {name.lower(): value for name, value in headers.items()}
@@ -400,6 +453,115 @@ class TargetServer:
         if answer is not None and answer.kind == "bad_gzip":
             return _not_gzip(reply.code)
         return reply
+
+    def _dispatch_batch(
+        self, method: str, path: str, headers: Any, body: Any, body_error: bool, collection: str
+    ) -> _Reply:
+        """A batch call: the checks every request meets, then the whole-call script, then each
+        item as its single endpoint would handle it."""
+        items = body.get("items") if isinstance(body, dict) else None
+        item_keys = tuple(_item_key(method, item) for item in items) if isinstance(items, list) else ()
+        header_dict = {name.lower(): value for name, value in headers.items()}
+        explicit = headers.get("X-Record-Key")
+        recorded = RecordedRequest(
+            method, path, header_dict, body, str(explicit) if explicit else None, time.monotonic(), True, item_keys
+        )
+        with self._lock:
+            self.requests.append(recorded)
+            latency = self.latency_ms
+        if latency > 0:
+            self._sleep(latency / 1000)
+        if self.down:
+            return _Reply.of_json(503, {"error": "target down"})
+        if self.token is not None and headers.get("Authorization") != f"Bearer {self.token}":
+            return _Reply.of_json(401, {"error": "unauthorized"})
+
+        whole = self._pop_batch_answer(method)
+        if whole is not None:
+            if whole.kind in ("status", "raw", "drop", "echo_headers") or (
+                whole.kind == "bad_gzip" and whole.code is not None
+            ):
+                scripted = self._scripted(whole, method, header_dict)
+                assert scripted is not None
+                return scripted
+            if whole.kind == "timeout":
+                self._sleep(whole.seconds)
+        if body_error:
+            return _Reply.of_json(400, {"error": "invalid json"})
+        if not isinstance(items, list):
+            return _Reply.of_json(400, {"error": 'body must be {"items": [...]}'})
+        results = [
+            self._batch_item(method, collection, item, key, header_dict)
+            for item, key in zip(items, item_keys, strict=True)
+        ]
+        if whole is not None and whole.kind == "no_id":
+            return _Reply.of_json(200, {"status": "done"})
+        if whole is not None and whole.kind == "not_json":
+            return _Reply(code=200, body=b"ok", content_type="text/plain")
+        if whole is not None and whole.kind == "bad_gzip":
+            return _not_gzip(200)
+        return _Reply(code=200, body=b'{"results": [' + b", ".join(results) + b"]}")
+
+    def _pop_batch_answer(self, method: str) -> Answer | None:
+        with self._lock:
+            for index, (wanted, answer) in enumerate(self._batch_scripts):
+                if wanted is None or wanted == method:
+                    del self._batch_scripts[index]
+                    return answer
+        return None
+
+    def _batch_item(self, method: str, collection: str, item: Any, key: str | None, headers: dict[str, str]) -> bytes:
+        """One item's result, as JSON bytes (a ``raw`` answer's bytes go in as they are)."""
+        answer = self._pop_answer(key)
+        success = 201 if method == "POST" else 200
+        if answer is not None:
+            if answer.kind == "status":
+                assert answer.code is not None
+                payload = dict(answer.body) if isinstance(answer.body, dict) else {"error": answer.body}
+                retry_after = (answer.headers or {}).get("Retry-After")
+                if retry_after is not None:
+                    payload["retry_after"] = retry_after
+                return json.dumps({**payload, "status": answer.code}).encode("utf-8")
+            if answer.kind == "timeout":
+                self._sleep(answer.seconds)  # the whole call stalls, then the item is handled
+            elif answer.kind == "no_id":
+                return json.dumps({"status": success}).encode("utf-8")
+            elif answer.kind == "not_json":
+                return b'"ok"'  # a result that is not an object
+            elif answer.kind == "drop":
+                raise _Drop
+            elif answer.kind == "raw":
+                assert isinstance(answer.body, bytes)
+                return answer.body
+            elif answer.kind == "echo_headers":
+                assert answer.code is not None
+                echoed = {"status": answer.code, "error": f"scripted {answer.code}", "headers": headers}
+                return json.dumps(echoed).encode("utf-8")
+            # bad_gzip breaks a single answer's encoding; an item has none of its own: handled as usual.
+        code, payload = self._batch_default(method, collection, item)
+        return json.dumps({**payload, "status": code}).encode("utf-8")
+
+    def _batch_default(self, method: str, collection: str, item: Any) -> tuple[int, dict[str, Any]]:
+        """What the single endpoint would answer for this item: its status and body."""
+        record = item.get("record") if isinstance(item, dict) else None
+        if not isinstance(record, dict):
+            return 400, {"error": "item must be an object with a 'record' object"}
+        with self._lock:
+            store = self._collections.setdefault(collection, {})
+            if method == "POST":
+                key = item.get("idempotency_key")
+                if key is not None and not isinstance(key, str):
+                    return 400, {"error": "idempotency_key must be a string"}
+                code, created = self._create_record(store, collection, record, key)
+                return code, {"id": created["id"], "record": created}
+            remote_id = item.get("id")
+            if not isinstance(remote_id, str):
+                return 400, {"error": "item needs a string 'id'"}
+            stored = store.get(remote_id)
+            if stored is None:
+                return 404, {"error": "not found"}
+            stored.update({k: v for k, v in record.items() if k != "id"})
+            return 200, {"id": remote_id, "record": copy.deepcopy(stored)}
 
     @staticmethod
     def _record_key(method: str, headers: Any, body: Any, remote_id: str | None) -> str | None:
@@ -493,20 +655,44 @@ class TargetServer:
         """Check-and-create under the caller's lock so concurrent retries make one record."""
         if not isinstance(body, dict):
             return _Reply.of_json(400, {"error": "body must be a JSON object"})
+        return _Reply.of_json(*self._create_record(store, collection, body, idempotency_key))
+
+    def _create_record(
+        self,
+        store: dict[str, dict[str, Any]],
+        collection: str,
+        body: dict[str, Any],
+        idempotency_key: str | None,
+    ) -> tuple[int, dict[str, Any]]:
+        """Create (or replay, for a key seen before) under the caller's lock: the single create
+        and every batch create item share it, so a key is honoured whichever way it comes."""
         if idempotency_key:
             seen = self._idempotency.get((collection, idempotency_key))
             if seen is not None:
                 # Prefer the live record (it may have been patched); fall back
                 # to the original answer if a test deleted it since.
                 current = store.get(seen["id"], seen)
-                return _Reply.of_json(201, current)
+                return 201, copy.deepcopy(current)
         new_id = f"r-{self._next_id}"
         self._next_id += 1
         record = {"id": new_id, **{k: v for k, v in body.items() if k != "id"}}
         store[new_id] = record
         if idempotency_key:
             self._idempotency[(collection, idempotency_key)] = copy.deepcopy(record)
-        return _Reply.of_json(201, record)
+        return 201, copy.deepcopy(record)
+
+
+def _item_key(method: str, item: Any) -> str | None:
+    """A batch item's record key, as the single endpoint keys its request: a create by its
+    record's ``email``, an update by its ``id``."""
+    if not isinstance(item, dict):
+        return None
+    if method == "POST":
+        record = item.get("record")
+        email = record.get("email") if isinstance(record, dict) else None
+        return None if email is None else str(email)
+    remote_id = item.get("id")
+    return None if remote_id is None else str(remote_id)
 
 
 def _not_gzip(code: int) -> _Reply:

@@ -2,7 +2,32 @@
 
 from __future__ import annotations
 
-from delivery.writers.base import Creates, Updates, Writer, verbs_of
-from delivery.writers.registry import find_writer, registered_drivers
+from delivery.writers.base import (
+    BatchRefused,
+    CreateItem,
+    Creates,
+    CreatesMany,
+    UpdateItem,
+    Updates,
+    UpdatesMany,
+    Writer,
+    batch_verbs_of,
+    verbs_of,
+)
+from delivery.writers.registry import find_writer, registered_drivers, writer_for
 
-__all__ = ["Creates", "Updates", "Writer", "find_writer", "registered_drivers", "verbs_of"]
+__all__ = [
+    "BatchRefused",
+    "CreateItem",
+    "Creates",
+    "CreatesMany",
+    "UpdateItem",
+    "Updates",
+    "UpdatesMany",
+    "Writer",
+    "batch_verbs_of",
+    "find_writer",
+    "registered_drivers",
+    "verbs_of",
+    "writer_for",
+]

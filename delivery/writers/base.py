@@ -1,16 +1,33 @@
 """The writer contract. ADR-0021: a writer states which verbs it offers in its *type*, so a
 target without create or without update is an ordinary target, not a broken one. Capabilities
-are ABC mixins, checked with `issubclass`/`isinstance` at save time and at write time."""
+are ABC mixins, checked with `issubclass`/`isinstance` at save time and at write time.
+
+A verb comes in two forms: one record per call (`Creates`, `Updates`) and many records per call
+(`CreatesMany`, `UpdatesMany`, the batch verbs). A writer offers a verb if it offers either form
+(`verbs_of`); `batch_verbs_of` says which verbs it offers in batch form. A driver whose batch verbs
+depend on its connection (the `rest` family sends batches only where the connection names a batch
+path) says so in `Writer.for_batch`, which returns the type that writes to that connection.
+
+A batch verb answers one result per item, in item order: the item's outcome (a remote id for a
+create, None for an update) or the `RecordFault` that item met, exactly the fault the one-record
+verb would have raised for it. What concerns the whole call is raised, as the one-record verb
+raises it: `TargetUnavailable` (the call failed in transport, or the target answered 429/5xx to the
+whole call: every item's outcome is that fault), `Unauthorized` (the target refused the
+credentials), and `BatchRefused` (a 4xx to the whole call without per-item results: the engine
+splits the call and sends the halves, so that one bad record never parks its neighbours).
+"""
 
 from __future__ import annotations
 
 import inspect
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeAlias
 
-from delivery.domain import Connection, Verb
+from delivery.domain import BatchEndpoints, Connection, Verb
+from delivery.errors import RecordFault, RecordRejected
 from delivery.settings import secret
 
 
@@ -34,6 +51,15 @@ class Writer(ABC):
         self.collection = collection
         self.token = token
         self.concurrency = concurrency
+
+    @classmethod
+    def for_batch(cls, batch: BatchEndpoints | None) -> type[Writer]:
+        """The type that writes to a connection with these batch endpoints (None: it names none).
+        This type itself, unless the driver offers batch verbs only where its connection names
+        them: the `rest` family returns a subclass with `CreatesMany` and/or `UpdatesMany`. Only
+        the batch form of a verb the type already offers may be added: the verbs a driver offers
+        (`verbs_of`) are judged on its registered type, without a connection."""
+        return cls
 
     def close(self) -> None:  # noqa: B027 - optional hook, most writers hold nothing
         """Release pooled connections at the end of the chain."""
@@ -59,6 +85,85 @@ class Updates(ABC):
         writer cannot encode raises `UnsendablePayload` before anything is sent."""
 
 
+#: How many items one batch call carries when the connection does not say (`batch.max_items`).
+DEFAULT_MAX_ITEMS = 100
+
+
+@dataclass(frozen=True)
+class CreateItem:
+    """One record of a `create_many` call: its body and its own Idempotency-Key (the key the
+    one-record `create` would send for it, so a replay, batched or not, makes one record)."""
+
+    body: Mapping[str, Any]
+    idempotency_key: str
+
+
+@dataclass(frozen=True)
+class UpdateItem:
+    """One record of an `update_many` call: the id the target knows it by, and its body."""
+
+    remote_id: str
+    body: Mapping[str, Any]
+
+
+#: One create item's result: the target's id for the record, or the fault that item met.
+CreateResult: TypeAlias = str | RecordFault
+#: One update item's result: None when it was applied, or the fault that item met.
+UpdateResult: TypeAlias = RecordFault | None
+#: Any item's result.
+ItemResult: TypeAlias = str | RecordFault | None
+
+
+class BatchRefused(Exception):
+    """The target refused a whole batch call with a 4xx and no per-item results (a 400 for one
+    malformed record, a 413 for a call too large, a 404 for a batch path it does not have).
+
+    Not a `RecordFault`: no item is known to be at fault. The engine splits the call in halves and
+    sends each, down to single items; a single item refused this way is that record's fault
+    (`as_record_fault`). `excerpt` is the start of the answer's body with the token masked."""
+
+    def __init__(self, message: str, status_code: int, excerpt: str) -> None:
+        self.status_code = status_code
+        self.excerpt = excerpt
+        super().__init__(message)
+
+    def as_record_fault(self) -> RecordRejected:
+        """The refusal as the fault of the one record a call carried."""
+        return RecordRejected(str(self))
+
+
+class _Batches(ABC):
+    """What both batch verbs share: how many items one call may carry."""
+
+    target: Connection
+
+    @property
+    def max_items(self) -> int:
+        """How many items one call may carry: the connection's `batch.max_items` unless the writer
+        knows better. A call with more is a bug of the caller (ValueError); one with none sends
+        nothing."""
+        batch = self.target.batch
+        return batch.max_items if batch is not None else DEFAULT_MAX_ITEMS
+
+
+class CreatesMany(_Batches):
+    @abstractmethod
+    def create_many(self, items: Sequence[CreateItem]) -> list[CreateResult]:
+        """Create the records in one call. Returns one result per item, in item order: the
+        target's id for it, or the `RecordFault` it met (`UnsendablePayload` for a body the writer
+        cannot encode, which is left out of the call; `RecordRejected`; `Unaddressable` when the
+        target answered without a usable id for it; `TargetUnavailable` for an item answered
+        429/5xx). Raises for the whole call: `TargetUnavailable`, `Unauthorized`, `BatchRefused`."""
+
+
+class UpdatesMany(_Batches):
+    @abstractmethod
+    def update_many(self, items: Sequence[UpdateItem]) -> list[UpdateResult]:
+        """Update the records in one call. Returns one result per item, in item order: None when
+        it was applied, or the `RecordFault` it met (`RemoteGone` for an item answered 404/410, and
+        as `create_many` for the others). Raises for the whole call as `create_many` does."""
+
+
 def accepts_concurrency(writer_type: type[Writer]) -> bool:
     """Whether the writer's constructor takes the `concurrency` keyword (or any keyword): a
     third-party writer written before it existed is still built, without it."""
@@ -67,10 +172,28 @@ def accepts_concurrency(writer_type: type[Writer]) -> bool:
 
 
 def verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
+    """The verbs the type offers, one record per call or in batches: a writer offering only
+    `CreatesMany` still creates."""
+    return single_verbs_of(writer_type) | batch_verbs_of(writer_type)
+
+
+def single_verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
+    """The verbs the type offers one record per call (`Creates`, `Updates`)."""
     verbs = set()
     if issubclass(writer_type, Creates):
         verbs.add(Verb.CREATE)
     if issubclass(writer_type, Updates):
+        verbs.add(Verb.UPDATE)
+    return frozenset(verbs)
+
+
+def batch_verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
+    """The verbs the type offers many records per call (`CreatesMany`, `UpdatesMany`). For a
+    driver whose batch verbs depend on its connection, ask the type `for_batch` returns."""
+    verbs = set()
+    if issubclass(writer_type, CreatesMany):
+        verbs.add(Verb.CREATE)
+    if issubclass(writer_type, UpdatesMany):
         verbs.add(Verb.UPDATE)
     return frozenset(verbs)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from functools import cache
 from importlib.metadata import entry_points
 
+from delivery.domain import Connection
 from delivery.writers.base import Writer
 
 ENTRY_POINT_GROUP = "delivery.writers"
@@ -34,6 +35,15 @@ def find_writer(driver: str | None) -> type[Writer] | None:
     if driver is None:
         return None
     return _registry().get(driver)
+
+
+def writer_for(target: Connection) -> type[Writer] | None:
+    """The type that writes to `target`: its driver's writer, as that driver equips a connection
+    with `target.batch` (the `rest` family adds its batch verbs where the connection names batch
+    paths). None when no writer is registered for the driver. The one to build a chain's writer
+    from: `find_writer` gives the registered type, on which save-time checks judge the verbs."""
+    writer_type = find_writer(target.driver)
+    return None if writer_type is None else writer_type.for_batch(target.batch)
 
 
 def registered_drivers() -> list[str]:

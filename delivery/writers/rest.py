@@ -4,23 +4,47 @@ create = POST {base_url}/{collection} (id read from `id_field` of the answer),
 update = PATCH {base_url}/{collection}/{remote_id}. Every httpx outcome is translated into our
 own record faults here and nowhere else, most specific first. The body is encoded here too, before
 anything is sent, so a record JSON cannot carry (NaN, Infinity) is refused as that record's fault.
+
+Batch verbs, where the connection names them (`batch: {create_path, update_path, max_items}`, paths
+under `base_url`; `for_batch` gives the type with `CreatesMany` and/or `UpdatesMany`):
+
+    POST  {base_url}/{create_path}  {"items": [{"idempotency_key": K, "record": BODY}, ...]}
+    PATCH {base_url}/{update_path}  {"items": [{"id": REMOTE_ID, "record": BODY}, ...]}
+
+answered with one result per item, in item order:
+
+    {"results": [{"status": 201, "id": "c-1"}, {"status": 422, "error": "email is invalid"}, ...]}
+
+`status` is the HTTP status the item would have had on its own, judged as the one-record verbs
+judge it (2xx done, 404/410 gone for an update, 429/5xx unavailable, another 4xx refused, 401 or
+403-as-token refuses the credentials of the whole call); a created item carries its id under the
+connection's `id_field`; `error` (optional) says why an item failed; `retry_after` (optional,
+seconds or an HTTP date) delays a 429/503 item, else the answer's own `Retry-After` header does. Each
+create item carries its own idempotency key, honoured as the one-record create's header is. The
+whole call: a transport failure, 429 or 5xx raises `TargetUnavailable` for every item; 401 (403)
+`Unauthorized`; any other status without a usable result list raises `BatchRefused` (the engine
+splits the call). A 2xx whose result list is missing or does not match the items (not JSON, no
+`results` list, a different length): every create item is `Unaddressable`, since the target may
+have made them and only the answer says which id each got; every update item `RecordRejected`,
+since a 2xx for the call says nothing of each item, and an update sent again changes nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 import httpx
 
 from delivery.clock import utcnow
-from delivery.domain import Connection, Forbidden
+from delivery.domain import BatchEndpoints, Connection, Forbidden
 from delivery.errors import (
     RecordRejected,
     RemoteGone,
@@ -31,7 +55,22 @@ from delivery.errors import (
 )
 from delivery.redact import redact
 from delivery.storable import remote_id_problem
-from delivery.writers.base import Creates, Updates, Writer, token_for, token_source
+from delivery.writers.base import (
+    DEFAULT_MAX_ITEMS,
+    BatchRefused,
+    CreateItem,
+    CreateResult,
+    Creates,
+    CreatesMany,
+    ItemResult,
+    UpdateItem,
+    UpdateResult,
+    Updates,
+    UpdatesMany,
+    Writer,
+    token_for,
+    token_source,
+)
 
 #: How much of a refusing target's body reaches `last_error`: enough to see the reason.
 BODY_EXCERPT = 200
@@ -108,6 +147,10 @@ class _RestWriter(Writer):
         super().__init__(target, collection, token=token, concurrency=concurrency)
         if not target.base_url:
             raise ValueError(f"connection {target.name!r} has no base_url")
+        for capability, path in ((CreatesMany, "create_path"), (UpdatesMany, "update_path")):
+            if isinstance(self, capability) and getattr(target.batch, path, None) is None:
+                # The type claims a batch verb the connection gives no endpoint for.
+                raise ValueError(f"connection {target.name!r} has no batch.{path}; build its writer with for_batch")
         self._token = self.token
         headers = {"Accept": "application/json", "User-Agent": "delivery-engine"}
         if self._token:
@@ -123,6 +166,16 @@ class _RestWriter(Writer):
             transport=transport,
         )
 
+    @classmethod
+    def for_batch(cls, batch: BatchEndpoints | None) -> type[Writer]:
+        """This type with `CreatesMany` where `batch` names a create path and the type creates, and
+        `UpdatesMany` where it names an update path and the type updates (a batch path for a verb
+        the type lacks adds nothing: the save-time check refuses it)."""
+        plain: type[_RestWriter] = cls.__dict__.get("_plain", cls)
+        create = batch is not None and batch.create_path is not None and issubclass(plain, Creates)
+        update = batch is not None and batch.update_path is not None and issubclass(plain, Updates)
+        return _batching(plain, create, update)
+
     def close(self) -> None:
         self._client.close()
 
@@ -132,6 +185,9 @@ class _RestWriter(Writer):
         except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
             # Refused before sending: the target never saw it, so the breaker must not count it.
             raise UnsendablePayload(self._clean(f"{method} {path}: body cannot be encoded as JSON: {exc}")) from exc
+        return self._send_content(method, path, content, headers)
+
+    def _send_content(self, method: str, path: str, content: bytes, headers: dict[str, str]) -> _Answer:
         request = self._client.build_request(
             method, path, content=content, headers={**headers, "Content-Type": "application/json"}
         )
@@ -208,6 +264,157 @@ class _RestWriter(Writer):
         # A 2xx whose body cannot be decoded is still a success: an update needs nothing from it.
         if not answer.is_success:
             raise self._refuse("PATCH", path, answer, gone_on_404=True)
+
+    # -- batch verbs -----------------------------------------------------------------------------
+
+    def _create_many(self, items: Sequence[CreateItem]) -> list[CreateResult]:
+        path = self._batch_path("create_path")
+        entries = [{"idempotency_key": item.idempotency_key, "record": dict(item.body)} for item in items]
+        return cast("list[CreateResult]", self._many("POST", path, entries, creating=True))
+
+    def _update_many(self, items: Sequence[UpdateItem]) -> list[UpdateResult]:
+        path = self._batch_path("update_path")
+        entries = [{"id": item.remote_id, "record": dict(item.body)} for item in items]
+        return cast("list[UpdateResult]", self._many("PATCH", path, entries, creating=False))
+
+    def _batch_path(self, name: str) -> str:
+        path = getattr(self.target.batch, name, None)
+        if path is None:  # __init__ refuses such a writer; kept for a subclass that skips it
+            raise ValueError(f"connection {self.target.name!r} has no batch.{name}")
+        return str(path)
+
+    def _many(self, method: str, path: str, entries: list[dict[str, Any]], *, creating: bool) -> list[ItemResult]:
+        """One batch call for `entries` (each item as the wire carries it): one result per entry,
+        in order. An entry JSON cannot carry is that item's `UnsendablePayload`, left out of the
+        call; when every entry is, nothing is sent."""
+        limit: int = getattr(self, "max_items", DEFAULT_MAX_ITEMS)  # the batch mixins' (CreatesMany...)
+        if len(entries) > limit:
+            raise ValueError(f"{method} {path}: {len(entries)} items, more than the {limit} one call may carry")
+        count = len(entries)
+        results: list[ItemResult] = [None] * count
+        sent: list[int] = []
+        encoded: list[bytes] = []
+        for index, entry in enumerate(entries):
+            try:
+                encoded.append(encode_body(entry))
+            except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
+                what = f"{method} {path} (item {index + 1} of {count}): body cannot be encoded as JSON: {exc}"
+                results[index] = UnsendablePayload(self._clean(what))
+                continue
+            sent.append(index)
+        if not sent:
+            return results
+        answer = self._send_content(method, path, b'{"items":[' + b",".join(encoded) + b"]}", {})
+        read = self._results(method, path, answer, len(sent))
+        for position, index in enumerate(sent):
+            where = f"{method} {path} (item {index + 1} of {count})"
+            if isinstance(read, str):
+                # A 2xx without a usable list: see the module docstring for why these faults.
+                what = f"{where}: HTTP {answer.status_code} {read}"
+                results[index] = Unaddressable(what) if creating else RecordRejected(what)
+            else:
+                results[index] = self._item(where, answer, read[position], creating=creating)
+        return results
+
+    def _results(self, method: str, path: str, answer: _Answer, count: int) -> list[Any] | str:
+        """The answer's per-item results, or why a 2xx answer has none usable. Raises for the
+        whole call: 429/5xx, a refused token, or any other refusal without a usable result list."""
+        code = answer.status_code
+        if not answer.is_success and (code in (401, 403, 429) or code >= 500):
+            refusal = self._refuse(method, path, answer, gone_on_404=False)
+            if not isinstance(refusal, RecordRejected):  # a 403 the connection calls a record's
+                raise refusal
+        read = self._result_list(answer, count)
+        if isinstance(read, str) and not answer.is_success:
+            excerpt = self._excerpt(answer)
+            raise BatchRefused(f"{method} {path}: HTTP {code}: {excerpt}", code, excerpt)
+        return read
+
+    def _result_list(self, answer: _Answer, count: int) -> list[Any] | str:
+        if answer.undecodable is not None:
+            return f"answer body cannot be decoded: {answer.undecodable}"
+        try:
+            decoded = answer.response.json()
+        except ValueError:
+            return f"answer is not JSON: {self._excerpt(answer)}"
+        results = decoded.get("results") if isinstance(decoded, dict) else None
+        if not isinstance(results, list):
+            return f"answer has no 'results' list: {self._excerpt(answer)}"
+        if len(results) != count:
+            return f"answer has {len(results)} results for {count} items: {self._excerpt(answer)}"
+        return results
+
+    def _item(self, where: str, answer: _Answer, result: Any, *, creating: bool) -> ItemResult:
+        """One item's result, judged as the one-record verb judges its answer."""
+        status = result.get("status") if isinstance(result, dict) else None
+        if not isinstance(status, int) or isinstance(status, bool) or not 100 <= status <= 599:
+            what = f"{where}: result has no usable 'status': {self._item_excerpt(result)}"
+            return Unaddressable(what) if creating else RecordRejected(what)
+        if 200 <= status < 300:
+            return self._created(where, status, result) if creating else None
+        what = f"{where}: HTTP {status}: {self._item_excerpt(result)}"
+        if status == 401 or (status == 403 and self.target.forbidden is Forbidden.TOKEN):
+            raise Unauthorized(self.target.name, token_source(self.target), f"{where}: HTTP {status}")
+        if status in (404, 410) and not creating:
+            return RemoteGone(what)
+        if status == 429 or status >= 500:
+            given = result.get("retry_after")
+            if isinstance(given, (int, float)) and not isinstance(given, bool):
+                given = str(given)
+            if not isinstance(given, str):
+                given = answer.response.headers.get("Retry-After")
+            return TargetUnavailable(what, retry_after_seconds(given), outcome_unknown=status not in NOT_APPLIED)
+        return RecordRejected(what)
+
+    def _created(self, where: str, status: int, result: dict[str, Any]) -> str | Unaddressable:
+        remote_id = result.get(self.target.id_field)
+        problem = None if remote_id is None else remote_id_problem(remote_id)
+        if remote_id is None or problem is not None:
+            why = "" if problem is None else f" (it {problem})"
+            return Unaddressable(
+                f"{where}: HTTP {status} result has no usable {self.target.id_field!r}{why}: "
+                f"{self._item_excerpt(result)}"
+            )
+        return str(remote_id)
+
+    def _item_excerpt(self, result: Any) -> str:
+        """An item's `error` when it is text, else the item as JSON; the token masked before the
+        cut, as `_excerpt` does."""
+        error = result.get("error") if isinstance(result, dict) else None
+        if not isinstance(error, str):
+            error = json.dumps(result, ensure_ascii=False, separators=(",", ":"), default=str)
+        return self._clean(error)[:BODY_EXCERPT]
+
+
+class _RestCreatesMany(_RestWriter, CreatesMany):
+    """The batch create of the `rest` family (mixed in by `for_batch`)."""
+
+    def create_many(self, items: Sequence[CreateItem]) -> list[CreateResult]:
+        return self._create_many(items)
+
+
+class _RestUpdatesMany(_RestWriter, UpdatesMany):
+    """The batch update of the `rest` family (mixed in by `for_batch`)."""
+
+    def update_many(self, items: Sequence[UpdateItem]) -> list[UpdateResult]:
+        return self._update_many(items)
+
+
+@functools.cache
+def _batching(plain: type[_RestWriter], create: bool, update: bool) -> type[_RestWriter]:
+    """`plain` with the batch verbs asked for: one type per combination, made once, so that
+    every writer for the same kind of connection has the same type."""
+    mixins = [*([_RestCreatesMany] if create else []), *([_RestUpdatesMany] if update else [])]
+    if not mixins:
+        return plain
+    name = "+".join([plain.__name__, *(["CreatesMany"] if create else []), *(["UpdatesMany"] if update else [])])
+    namespace = {
+        "__module__": plain.__module__,
+        "__qualname__": name,
+        "__doc__": f"{plain.__doc__} With batch verbs, as the connection names batch paths.",
+        "_plain": plain,
+    }
+    return cast("type[_RestWriter]", type(name, (plain, *mixins), namespace))
 
 
 def _segment(remote_id: str) -> str:

@@ -6,10 +6,15 @@ It speaks exactly the contract of the built-in `rest` driver (DESIGN.md §8), so
     POST   /api/{collection}        JSON object -> 201 with the stored record and its string "id";
                                     a repeated `Idempotency-Key` replays the first record (200)
     PATCH  /api/{collection}/{id}   shallow-merges the JSON object -> 200, or 404 for unknown ids
+    POST   /api/{collection}/batch  {"items": [{"idempotency_key": K, "record": {...}}, ...]} -> 200
+                                    {"results": [{"status": 201, "id": "c-1", "record": {...}}, ...]},
+                                    one per item in order, each as the single POST would answer it
+    PATCH  /api/{collection}/batch  {"items": [{"id": ID, "record": {...}}, ...]} -> 200 {"results": [...]},
+                                    each item 200 or 404 as the single PATCH would answer it
     GET    /api/{collection}        the records in creation order (`?limit=N`)
     GET    /api/{collection}/{id}   one record, or 404
     DELETE /api/{collection}/{id}   204: the record is gone, so the engine's next update parks it
-    GET    /api/_stats              requests, creates, updates and injected faults per collection
+    GET    /api/_stats              requests, batch calls, creates, updates and injected faults per collection
     GET    /api/_faults             the fault settings in force
     PUT    /api/_faults             change them while running (a demo flips an outage on and off)
     GET    /healthz                 {"ok": true}, never behind the token

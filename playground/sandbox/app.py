@@ -1,9 +1,14 @@
 """The sandbox's HTTP face: a Starlette app over the store and the fault injector.
 
 Routing, requests and responses are Starlette's; what is the sandbox's own is the contract of the
-`rest` driver (ids, idempotent creates, 404 for unknown ids), the bearer token, the order in which
-a write meets its fault (dice, latency, 503, and only then its body) and the counters `_stats`
-reports. Every error answer is a JSON object `{"error": "..."}`.
+`rest` driver (ids, idempotent creates, 404 for unknown ids, the batch endpoints), the bearer
+token, the order in which a write meets its fault (dice, latency, 503, and only then its body) and
+the counters `_stats` reports. Every error answer is a JSON object `{"error": "..."}`.
+
+A batch call (`POST`/`PATCH /api/{collection}/batch`, the `rest` driver's wire format, see
+`delivery/writers/rest.py`) is one request: it meets the dice, latency and 503 once, as a whole;
+then each item is handled as its single endpoint would handle it, and answered in `results`, one
+per item in order, with the status that endpoint would have given it.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ MAX_BODY_BYTES = 1 << 20
 #: The order `Allow` lists methods in, whatever order Starlette keeps them in.
 _METHOD_ORDER = ("GET", "POST", "PUT", "PATCH", "DELETE")
 Endpoint = Callable[[Request], Awaitable[Response]]
-_STAT_KEYS = ("requests", "creates", "replays", "updates", "deletes", "not_found", "faults", "hangs")
+_STAT_KEYS = ("requests", "batches", "creates", "replays", "updates", "deletes", "not_found", "faults", "hangs")
 
 
 class _CollectionName(Convertor[str]):
@@ -135,6 +140,8 @@ class SandboxApp:
             *_both("/api/_stats", self._stats_endpoint, ["GET"]),
             *_both("/api/_faults", self._faults_endpoint, ["GET", "PUT"]),
             *_both(collection, self._collection, ["GET", "POST"]),
+            # Before the record's route: `PATCH .../batch` is the batch update, not record "batch".
+            *_both(collection + "/batch", self._batch, ["POST", "PATCH"]),
             *_both(collection + "/{record_id}", self._record, ["GET", "PATCH", "DELETE"]),
         ]
 
@@ -167,6 +174,45 @@ class SandboxApp:
         if created:
             return JSONResponse(record, status_code=201)
         return JSONResponse(record, headers={"Idempotent-Replayed": "true"})
+
+    async def _batch(self, request: Request) -> Response:
+        name: str = request.path_params["collection"]
+        stats = self._count_request(name)
+        stats["batches"] += 1
+        fault = await self._suffer_faults(request, stats)
+        if fault is not None:
+            return fault
+        items = (await _json_object(request)).get("items")
+        if not isinstance(items, list):
+            raise _Refused(400, 'body must be {"items": [...]}, a list of items')
+        if request.method == "POST":
+            return JSONResponse({"results": [self._create_item(name, item, stats) for item in items]})
+        return JSONResponse({"results": [self._update_item(name, item, stats) for item in items]})
+
+    def _create_item(self, name: str, item: Any, stats: Counter[str]) -> dict[str, Any]:
+        """`POST /api/{name}` for one batch item: its own idempotency key, the same store."""
+        record = item.get("record") if isinstance(item, dict) else None
+        key = item.get("idempotency_key") if isinstance(item, dict) else None
+        if not isinstance(record, dict):
+            return {"status": 400, "error": "an item is an object with a 'record' object"}
+        if key is not None and not isinstance(key, str):
+            return {"status": 400, "error": "idempotency_key must be a string"}
+        stored, created = self._store.create(name, record, key or None)
+        stats["creates" if created else "replays"] += 1
+        return {"status": 201 if created else 200, "id": stored["id"], "record": stored}
+
+    def _update_item(self, name: str, item: Any, stats: Counter[str]) -> dict[str, Any]:
+        """`PATCH /api/{name}/{id}` for one batch item."""
+        record = item.get("record") if isinstance(item, dict) else None
+        record_id = item.get("id") if isinstance(item, dict) else None
+        if not isinstance(record, dict) or not isinstance(record_id, str):
+            return {"status": 400, "error": "an item is an object with a string 'id' and a 'record' object"}
+        patched = self._store.update(name, record_id, record)
+        if patched is None:
+            stats["not_found"] += 1
+            return {"status": 404, "error": f"no record {record_id!r} in {name!r}"}
+        stats["updates"] += 1
+        return {"status": 200, "id": record_id, "record": patched}
 
     async def _record(self, request: Request) -> Response:
         name: str = request.path_params["collection"]
