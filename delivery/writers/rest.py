@@ -363,7 +363,9 @@ class _RestWriter(Writer):
                 given = str(given)
             if not isinstance(given, str):
                 given = answer.response.headers.get("Retry-After")
-            return TargetUnavailable(what, retry_after_seconds(given), outcome_unknown=status not in NOT_APPLIED)
+            return TargetUnavailable(
+                what, retry_after_seconds(given), outcome_unknown=status not in NOT_APPLIED, status_code=status
+            )
         return RecordRejected(what)
 
     def _created(self, where: str, status: int, result: dict[str, Any]) -> str | Unaddressable:

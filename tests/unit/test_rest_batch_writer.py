@@ -338,6 +338,17 @@ def test_an_items_own_retry_after(target: Target, given: Any, seconds: float) ->
     assert result.retry_after_seconds == seconds
 
 
+def test_an_item_says_its_own_status_so_a_429_with_retry_after_pauses_the_target(target: Target) -> None:
+    writer = target.writer(
+        results({"status": 429, "retry_after": 5}, {"status": 503}, {"status": 500, "retry_after": 5})
+    )
+    throttled, unavailable, failed = writer.update_many(updates(3))
+    assert isinstance(throttled, TargetUnavailable) and throttled.status_code == 429 and throttled.pauses_target
+    assert isinstance(unavailable, TargetUnavailable) and unavailable.status_code == 503
+    assert not unavailable.pauses_target  # no Retry-After anywhere
+    assert isinstance(failed, TargetUnavailable) and failed.status_code == 500 and not failed.pauses_target
+
+
 def test_an_item_without_retry_after_takes_the_answers(target: Target) -> None:
     writer = target.writer(
         results({"status": 503}, {"status": 429, "retry_after": True}, headers={"Retry-After": "12"})
