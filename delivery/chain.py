@@ -24,6 +24,7 @@ import sqlalchemy as sa
 
 from delivery import policy
 from delivery.breaker import BreakerListener, TargetBreaker
+from delivery.bulk import BulkJob, offers_batches
 from delivery.clock import utcnow
 from delivery.domain import (
     BatchReport,
@@ -54,7 +55,7 @@ from delivery.store import catalog, chains, ledger
 from delivery.traffic import JobBounds, TargetTraffic, TrafficListener
 from delivery.workers import Cut, Signals, work_through
 from delivery.writers.base import SecretReader, Writer, accepts_concurrency, token_for, token_problem, token_source
-from delivery.writers.registry import find_writer
+from delivery.writers.registry import writer_for
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,8 @@ class Chain:
         """The writer and the step for `rule`. The token is read when the chain opens, so a token
         changed at its source counts from the next chain; read again only when a rule saved
         mid-chain takes it from another variable or block."""
-        writer_type = find_writer(rule.target.driver)
+        # The type that writes to this connection: with its batch verbs where it names batch paths.
+        writer_type = writer_for(rule.target)
         if writer_type is None:
             raise MissingWriter(rule.name, rule.target.driver)
         token = self._secret
@@ -389,7 +391,9 @@ class Chain:
             lanes.append(lane)
             return lane
 
-        if self.rule.target.settle is SettleMode.GROUPED:
+        if self.rule.target.settle is SettleMode.GROUPED and offers_batches(self._writer):
+            settled, cuts = BulkJob(self, candidates, lanes, phase, self._writer).run(count, new_lane)
+        elif self.rule.target.settle is SettleMode.GROUPED:
             settled, cuts = GroupedJob(self, candidates, lanes, phase).run(count, new_lane)
         else:
 

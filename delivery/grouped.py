@@ -54,6 +54,8 @@ class GroupedJob:
         self.window_lock = threading.Lock()
         self.statuses: dict[int, LedgerStatus | None] = {}
         self.superseded = False
+        #: Candidates per window (see the module's docstring).
+        self.window_size = GROUP_RECORDS
 
     def run(self, count: int, new_lane: Callable[[], TargetBreaker]) -> tuple[list[LedgerStatus | None], list[Any]]:
         """Deliver the batch with `count` workers. Returns each candidate's settled status (None:
@@ -73,8 +75,8 @@ class GroupedJob:
 
         groups: SettleGroups[_Settle] = SettleGroups(commit, signals.stop.set)
 
-        def step(index: int, breaker: TargetBreaker, signals: Signals) -> Cut | None:
-            return self._one(index, breaker, signals, groups)
+        def step(unit: int, breaker: TargetBreaker, signals: Signals) -> Cut | None:
+            return self._unit(unit, breaker, signals, groups)
 
         fault: BaseException | None = None
         cuts: list[Any] = []
@@ -82,7 +84,7 @@ class GroupedJob:
             try:
                 # Pooled even for one worker: an exception from a step is then a fault of the job
                 # (its gathered outcomes are committed), one raised into this thread an interruption.
-                _, cuts = work_through(len(self.candidates), count, new_lane, step, signals, pooled=True)
+                _, cuts = work_through(self._units(), count, new_lane, step, signals, pooled=True)
             except BaseException as exc:
                 if signals.over.is_set():
                     raise  # a timeout or cancellation: the job has ended
@@ -108,10 +110,17 @@ class GroupedJob:
             cuts.append(ChainEnd.SUPERSEDED)
         return [self.statuses.get(i) for i in range(len(self.candidates))], cuts
 
+    def _units(self) -> int:
+        """How many units of work the workers share: a record each."""
+        return len(self.candidates)
+
+    def _unit(self, unit: int, breaker: TargetBreaker, signals: Signals, groups: SettleGroups[_Settle]) -> Cut | None:
+        return self._one(unit, breaker, signals, groups)
+
     def _one(self, index: int, breaker: TargetBreaker, signals: Signals, groups: SettleGroups[_Settle]) -> Cut | None:
         """One record: its window prepared first, then send, then hand the outcome to the group
         being gathered."""
-        window = index // GROUP_RECORDS
+        window = index // self.window_size
         if window not in self.windows:
             with self.window_lock:
                 if window not in self.windows and not self.superseded and not signals.stop.is_set():
@@ -149,7 +158,7 @@ class GroupedJob:
         bodies, updates' doubt) in one transaction: a conflicting ledger row is found here, before
         any of them is sent."""
         chain, step = self.chain, self.chain.step
-        indices = range(window * GROUP_RECORDS, min((window + 1) * GROUP_RECORDS, len(self.candidates)))
+        indices = self.window(window)
         creates: list[int] = []
         updates: list[int] = []
         for i in indices:
@@ -173,6 +182,10 @@ class GroupedJob:
                 intents.update(zip(updates, marked, strict=True))
             self.intents.update(intents)  # only once committed: a rolled-back intent is no row to take back
         self.windows.add(window)
+
+    def window(self, window: int) -> range:
+        """The candidates' indices in `window`."""
+        return range(window * self.window_size, min((window + 1) * self.window_size, len(self.candidates)))
 
     def _commit_group(self, group: list[_Settle]) -> bool:
         """Settle a group's outcomes in one transaction; False when the fence is closed (nothing

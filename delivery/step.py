@@ -51,8 +51,20 @@ class Send:
     follow_up: bool = False
 
 
-class _Stopped(Exception):
+class Stopped(Exception):
     """The job stopped while a call waited for the target's traffic: the call was not made."""
+
+
+#: What stops a call before it is made: the breaker refused it, the target's traffic holds it past
+#: the job's deadline, or the job stopped while it waited.
+NOT_SENT = (pybreaker.CircuitBreakerError, TrafficHeld, Stopped)
+
+
+def not_sent_end(held: BaseException) -> ChainEnd | None:
+    """How a batch ends when a call was not made (`NOT_SENT`): None for a job that stopped."""
+    if isinstance(held, pybreaker.CircuitBreakerError):
+        return ChainEnd.BREAKER_OPEN
+    return ChainEnd.RATE_LIMITED if isinstance(held, TrafficHeld) else None
 
 
 class RecordStep:
@@ -159,7 +171,7 @@ class RecordStep:
                     raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
                 generation = row.create_generation if row else 0
                 key = policy.idempotency_key(rule.name, record.external_id, generation, rule.key_epoch)
-                remote_id = self._call(breaker, bounds, writer.create, plan.body, key)
+                remote_id = self.call(breaker, bounds, writer.create, plan.body, key)
                 if plan.follow_up:
                     # The same key may have carried an older body before (a crash before the
                     # settle, a timeout after the target took it): a target that honours the key
@@ -167,22 +179,20 @@ class RecordStep:
                     if not isinstance(writer, Updates):
                         return policy.delivered(row, remote_id, plan.digest, note=REPLAY_NOT_UPDATABLE)
                     updating = True
-                    self._call(breaker, bounds, writer.update, remote_id, plan.body)
+                    self.call(breaker, bounds, writer.update, remote_id, plan.body)
             else:
                 if not isinstance(writer, Updates):
                     raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
                 assert remote_id is not None
-                self._call(breaker, bounds, writer.update, remote_id, plan.body)
-        except (pybreaker.CircuitBreakerError, TrafficHeld, _Stopped) as held:
+                self.call(breaker, bounds, writer.update, remote_id, plan.body)
+        except NOT_SENT as held:
             if plan.verb is Verb.CREATE and remote_id is not None:
                 # The create went through and the follow-up update was not sent: keep the id, and
                 # no fingerprint, so the next attempt updates.
                 why = "breaker open" if isinstance(held, pybreaker.CircuitBreakerError) else "traffic held"
                 refused = TargetUnavailable(f"{why} before the follow-up update", outcome_unknown=False)
                 return self._after(row, refused, remote_id, breaker)
-            if isinstance(held, _Stopped):
-                return None
-            return ChainEnd.BREAKER_OPEN if isinstance(held, pybreaker.CircuitBreakerError) else ChainEnd.RATE_LIMITED
+            return not_sent_end(held)
         except Unauthorized as fault:
             raise fault.for_rule(rule.name) from fault
         except RuleFault:
@@ -192,7 +202,7 @@ class RecordStep:
             return self._after(row, fault, remote_id, breaker, unknown=unknown)
         return policy.delivered(row, remote_id, plan.digest)
 
-    def _call(self, breaker: TargetBreaker, bounds: JobBounds, call: Callable[..., Any], *args: Any) -> Any:
+    def call(self, breaker: TargetBreaker, bounds: JobBounds, call: Callable[..., Any], *args: Any) -> Any:
         """One request: admitted by the target's traffic, made through its breaker. A pause the
         target asks for (a 429 or 503 with Retry-After) is waited out and the same request made
         again, since the target says it did nothing with it, unless the pause outlasts the job:
@@ -202,12 +212,24 @@ class RecordStep:
             raise RuntimeError("a step that sends needs the target's traffic control")
         while True:
             if not self.traffic.admit(bounds):
-                raise _Stopped
+                raise Stopped
             try:
                 return breaker.call(call, *args)
             except TargetUnavailable as fault:
                 if not fault.pauses_target or self.traffic.pause(fault) > bounds.deadline:
                     raise
+
+    def item_outcome(self, candidate: Candidate, plan: Send, result: Any, breaker: TargetBreaker) -> Outcome:
+        """The outcome of one record sent in a batch call, from its item's result: the remote id
+        (a create) or None (an update) when it was applied, or the `RecordFault` it met (the
+        whole call's, when the call failed as a whole). The same outcome `send` reckons for a
+        record sent on its own."""
+        row = candidate.ledger
+        remote_id = row.remote_id if row is not None and plan.verb is Verb.UPDATE else None
+        if isinstance(result, RecordFault):
+            unknown = plan.verb is Verb.UPDATE and isinstance(result, TargetUnavailable) and result.outcome_unknown
+            return self._after(row, result, remote_id, breaker, unknown=unknown)
+        return policy.delivered(row, str(result) if plan.verb is Verb.CREATE else remote_id, plan.digest)
 
     def _after(
         self,

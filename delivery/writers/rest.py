@@ -222,6 +222,7 @@ class _RestWriter(Writer):
                 what,
                 retry_after_seconds(answer.response.headers.get("Retry-After")),
                 outcome_unknown=code not in NOT_APPLIED,
+                status_code=code,
             )
         return RecordRejected(what)
 

@@ -1,0 +1,159 @@
+"""One job of a target whose writer offers batch verbs (`CreatesMany`, `UpdatesMany`), settled in
+groups: a `GroupedJob` whose unit of work is a window of records sent in one call per verb.
+
+A window is `max_items` candidates (at most the batch). Its worker checks, plans and commits its
+intents (as a grouped job does), then sends its creates in one `create_many` call and its updates in
+one `update_many` call; a record the batch verbs cannot carry (a create that must be followed by an
+update, a verb with no batch form) and an outcome reached without writing go the one-record way.
+Every record still gets its own ledger outcome: an item's result is what the one-record call would
+have met. A call that fails as a whole (timeout, 5xx) fails each of its items alike, each keeping
+its create's intent and key for the replay; a call refused as a whole without per-item results (a
+4xx) is split in halves and sent again, down to single items, so that one bad record never parks its
+neighbours (the halves spend no attempt; only the record finally refused alone does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from delivery import policy
+from delivery.breaker import TargetBreaker
+from delivery.domain import Candidate, ChainEnd, Phase, Verb
+from delivery.errors import TargetUnavailable, Unauthorized
+from delivery.grouped import GroupedJob, _Settle
+from delivery.settle import SettleGroups
+from delivery.step import NOT_SENT, Send, not_sent_end
+from delivery.workers import Cut, Signals
+from delivery.writers.base import BatchRefused, CreateItem, CreatesMany, UpdateItem, UpdatesMany, Writer
+
+if TYPE_CHECKING:
+    from delivery.chain import Chain
+
+
+def offers_batches(writer: Writer) -> bool:
+    return isinstance(writer, (CreatesMany, UpdatesMany))
+
+
+class BulkJob(GroupedJob):
+    """A grouped job sending each window's creates and updates in one call per verb."""
+
+    def __init__(
+        self, chain: Chain, candidates: list[Candidate], lanes: list[TargetBreaker], phase: Phase, writer: Writer
+    ) -> None:
+        super().__init__(chain, candidates, lanes, phase)
+        self.writer = writer
+        sizes = [w.max_items for w in (writer,) if isinstance(w, (CreatesMany, UpdatesMany))]
+        self.window_size = max(1, min(sizes or [1]))
+
+    def _units(self) -> int:
+        return -(-len(self.candidates) // self.window_size)  # windows, the last one short
+
+    def _unit(self, unit: int, breaker: TargetBreaker, signals: Signals, groups: SettleGroups[_Settle]) -> Cut | None:
+        if unit not in self.windows:
+            with self.window_lock:
+                if unit not in self.windows and not self.superseded and not signals.stop.is_set():
+                    self._prepare_window(unit)
+        if self.superseded:
+            return Cut(ChainEnd.SUPERSEDED)
+        if unit not in self.windows:
+            return None  # the batch was cut before this window was prepared
+        creates: list[int] = []
+        updates: list[int] = []
+        alone: list[int] = []
+        for i in self.window(unit):
+            plan = self.plans[i]
+            if not isinstance(plan, Send) or self.intents.get(i) is None:
+                alone.append(i)  # an outcome without writing, or a row a requeue took meanwhile
+            elif plan.verb is Verb.CREATE and not plan.follow_up and isinstance(self.writer, CreatesMany):
+                creates.append(i)
+            elif plan.verb is Verb.UPDATE and isinstance(self.writer, UpdatesMany):
+                updates.append(i)
+            else:
+                alone.append(i)
+        for verb, indices in ((Verb.CREATE, creates), (Verb.UPDATE, updates)):
+            if indices:
+                cut = self._send_many(verb, indices, breaker, signals, groups)
+                if cut is not None:
+                    return cut
+        for i in alone:
+            cut = self._one(i, breaker, signals, groups)
+            if cut is not None:
+                return cut
+        return None
+
+    def _send_many(
+        self, verb: Verb, indices: list[int], breaker: TargetBreaker, signals: Signals, groups: SettleGroups[_Settle]
+    ) -> Cut | None:
+        """Send the records in one call (or in halves, see the module's docstring) and hand each
+        one's outcome to the group being gathered. Records a cut left unsent keep no intent."""
+        if signals.stop.is_set():
+            return None  # the batch is cut short: no call starts after that
+        self.sent.update(indices)
+        got: dict[int, Any] = {}
+        cut: Cut | None = None
+        try:
+            self._call(verb, indices, breaker, signals, got)
+        except Unauthorized:
+            self.sent.difference_update(i for i in indices if i not in got)
+            raise
+        except NOT_SENT as held:
+            end = not_sent_end(held)
+            cut = None if end is None else Cut(end)
+        self.sent.difference_update(i for i in indices if i not in got)  # never sent: intents go back
+        step = self.chain.step
+        for i in indices:
+            if i not in got:
+                continue
+            plan = self.plans[i]
+            assert isinstance(plan, Send)
+            candidate, intent = self.candidates[i], self.intents[i]
+            outcome = step.item_outcome(candidate, plan, got[i], breaker)
+            if signals.over.is_set():
+                return None  # the job has ended: nothing settles after it
+            settled = candidate if intent is None else Candidate(candidate.record, intent)
+            groups.add(_Settle(i, settled, outcome))
+        return cut
+
+    def _call(
+        self, verb: Verb, indices: Sequence[int], breaker: TargetBreaker, signals: Signals, got: dict[int, Any]
+    ) -> None:
+        """One batch call for `indices`, its results put in `got`; a call refused as a whole is
+        split in halves, each sent again, down to one item (whose refusal is then its own fault)."""
+        step, rule = self.chain.step, self.chain.rule
+        items: list[Any] = []
+        for i in indices:
+            plan, row = self.plans[i], self.candidates[i].ledger
+            assert isinstance(plan, Send)
+            if verb is Verb.CREATE:
+                generation = row.create_generation if row else 0
+                key = policy.idempotency_key(
+                    rule.name, self.candidates[i].record.external_id, generation, rule.key_epoch
+                )
+                items.append(CreateItem(plan.body, key))
+            else:
+                assert row is not None and row.remote_id is not None  # an update has a row holding the remote id
+                items.append(UpdateItem(row.remote_id, plan.body))
+        writer = self.writer
+        call = writer.create_many if verb is Verb.CREATE else writer.update_many  # type: ignore[attr-defined]
+        try:
+            results = step.call(breaker, self.chain.job_bounds(signals.stop), call, items)
+        except BatchRefused as refused:
+            if len(indices) == 1:
+                got[indices[0]] = refused.as_record_fault()
+                return
+            half = len(indices) // 2
+            self._call(verb, indices[:half], breaker, signals, got)
+            self._call(verb, indices[half:], breaker, signals, got)
+            return
+        except TargetUnavailable as fault:
+            got.update(dict.fromkeys(indices, fault))  # the call failed as a whole: each item alike
+            return
+        if len(results) != len(indices):
+            raise TypeError(
+                f"{type(writer).__name__}: a batch call of {len(indices)} items answered {len(results)} results"
+            )
+        got.update(zip(indices, results, strict=True))
+        paused = [r for r in results if isinstance(r, TargetUnavailable) and r.pauses_target]
+        if paused and step.traffic is not None:
+            step.traffic.pause(paused[0])  # an item answered 429 with Retry-After pauses the target too
