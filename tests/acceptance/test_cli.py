@@ -498,6 +498,16 @@ def test_run_against_a_daily_budget_ends_rate_limited_and_shows_the_budget(
     no_secret(proc)
 
 
+def test_run_against_batch_endpoints_sends_one_call(live: Path, target: TargetServer) -> None:
+    batch = {"create_path": "contacts/batch", "update_path": "contacts/batch", "max_items": 50}
+    name = write_yaml(live, "batch.yaml", config(target.url, target={"batch": batch}))
+    ok(delivery("apply", name, cwd=live))
+    result = as_json(delivery("run", RULE, "--json", cwd=live, env=prefect_env()))
+    assert result["state"] == "COMPLETED" and result["counts"]["delivered"] == 2
+    assert [(c.method, len(c.items)) for c in target.requests] == [("POST", 2)]
+    assert sorted(r["email"] for r in target.records("contacts").values()) == ["a@example.com", "b@example.com"]
+
+
 def test_run_of_an_unknown_rule_exits_2(applied: Path) -> None:
     proc = delivery("run", "nope", "--json", cwd=applied)
     refused(proc, "'nope'")
