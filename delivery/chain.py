@@ -138,7 +138,7 @@ class Chain:
         if until is not None:
             return self._end(ChainEnd.BREAKER_OPEN, self._breaker_message(until))
         self._traffic = TargetTraffic(self.engine, rule.target, self.clock, self._traffic_listeners)
-        paused = self._traffic.paused_until()
+        paused = self._traffic.pause_seen()
         if paused is not None and paused > self._job_deadline(rule):
             return self._end(ChainEnd.RATE_LIMITED, self._paused_message(paused))
         self._secrets = secrets

@@ -67,9 +67,20 @@ class TargetTraffic:
         self._lock = threading.Lock()
         self._waited = 0.0
         self._pause: tuple[float, Held | None] | None = None
-        store.ensure_row(engine, target.id)
-        # A pause that ended while no chain was sending ends here, and is told of as over.
-        self._resume()
+        # One read when the chain opens; a write only for a target never sent to, or a pause that
+        # ended while no chain was sending (it ends here, and is told of as over).
+        now = clock()
+        with engine.connect().execution_options(readonly=True) as conn:
+            row = store.traffic_of(conn, [target.id]).get(target.id)
+        if row is None:
+            store.ensure_row(engine, target.id)
+        elif row.paused_until is not None and row.paused_until <= now:
+            self._resume()
+        else:
+            held = (
+                None if row.paused_until is None else Held(row.paused_until, row.pause_reason or "paused", paused=True)
+            )
+            self._pause = (time.monotonic(), held)
 
     @property
     def waited_seconds(self) -> float:
@@ -119,9 +130,14 @@ class TargetTraffic:
 
     def paused_past(self, moment: datetime) -> bool:
         """Whether a pause this chain set or read lasts beyond `moment` (no database read)."""
+        until = self.pause_seen()
+        return until is not None and until > moment
+
+    def pause_seen(self) -> datetime | None:
+        """When the last pause this chain set or read ends (no database read), if it does."""
         with self._lock:
             cached = self._pause
-        return cached is not None and cached[1] is not None and cached[1].until > moment
+        return None if cached is None or cached[1] is None else cached[1].until
 
     def paused_until(self) -> datetime | None:
         """When the target's pause ends, if it is paused now (read from the database)."""
