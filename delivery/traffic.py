@@ -77,10 +77,7 @@ class TargetTraffic:
         elif row.paused_until is not None and row.paused_until <= now:
             self._resume()
         else:
-            held = (
-                None if row.paused_until is None else Held(row.paused_until, row.pause_reason or "paused", paused=True)
-            )
-            self._pause = (time.monotonic(), held)
+            self._pause = (time.monotonic(), _held(row))
 
     @property
     def waited_seconds(self) -> float:
@@ -156,9 +153,7 @@ class TargetTraffic:
         if cached is None or time.monotonic() - cached[0] >= PAUSE_READ_SECONDS:
             with self.engine.connect().execution_options(readonly=True) as conn:
                 row = store.paused_until(conn, self.target.id, now)
-            held = None
-            if row is not None and row.paused_until is not None:
-                held = Held(row.paused_until, row.pause_reason or "paused", paused=True)
+            held = _held(row)
             cached = (time.monotonic(), held)
             with self._lock:
                 self._pause = cached
@@ -194,3 +189,10 @@ class TargetTraffic:
         if row is not None:
             for listener in self.listeners:
                 listener.resumed(self.target.name, row.paused_at, row.paused_until)
+
+
+def _held(row: store.TrafficRow | None) -> Held | None:
+    """The pause a traffic row holds, if any (whether it is over is the caller's to judge)."""
+    if row is None or row.paused_until is None:
+        return None
+    return Held(row.paused_until, row.pause_reason or "paused", paused=True)
