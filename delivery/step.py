@@ -28,7 +28,7 @@ from delivery.errors import (
 )
 from delivery.redact import redact
 from delivery.storable import storable_text
-from delivery.traffic import JobBounds, TargetTraffic
+from delivery.traffic import MAX_RESENDS, JobBounds, TargetTraffic
 from delivery.writers.base import Creates, Updates, Writer
 
 #: Written on a delivered row when a create may have been answered with an older body and the
@@ -205,19 +205,21 @@ class RecordStep:
     def call(self, breaker: TargetBreaker, bounds: JobBounds, call: Callable[..., Any], *args: Any) -> Any:
         """One request: admitted by the target's traffic, made through its breaker. A pause the
         target asks for (a 429 or 503 with Retry-After) is waited out and the same request made
-        again, since the target says it did nothing with it, unless the pause outlasts the job:
-        then the fault reaches the record, which waits for the pause's end without spending an
-        attempt."""
+        again, since the target says it did nothing with it, unless the pause outlasts the job (or
+        the request met `MAX_RESENDS` pauses already): then the fault reaches the record, which
+        waits for the pause's end without spending an attempt."""
         if self.traffic is None:
             raise RuntimeError("a step that sends needs the target's traffic control")
-        while True:
+        for resend in range(MAX_RESENDS + 1):
             if not self.traffic.admit(bounds):
                 raise Stopped
             try:
                 return breaker.call(call, *args)
             except TargetUnavailable as fault:
-                if not fault.pauses_target or self.traffic.pause(fault) > bounds.deadline:
+                last = resend == MAX_RESENDS
+                if not fault.pauses_target or self.traffic.pause(fault) > bounds.deadline or last:
                     raise
+        raise AssertionError("unreachable: the last resend returns or raises")
 
     def item_outcome(self, candidate: Candidate, plan: Send, result: Any, breaker: TargetBreaker) -> Outcome:
         """The outcome of one record sent in a batch call, from its item's result: the remote id

@@ -25,6 +25,11 @@ from delivery.store.traffic import SPACING_MARGIN, Held, Slot
 #: How long a pause read from the database stands for a target with no rate budget (one with a
 #: budget reads it with every slot it takes): another process's 429 is seen this much later at most.
 PAUSE_READ_SECONDS = 0.5
+#: The shortest pause a Retry-After makes.
+MIN_PAUSE_SECONDS = 1.0
+#: How often one request is sent again after pauses it met, within one job: a target that answers
+#: every try with a pause gets the record back to wait for the next chain, not a request a second.
+MAX_RESENDS = 3
 #: A sender that wakes this far (a fraction of the interval between slots) past its slot takes a
 #: new one (see `TargetTraffic._too_late`).
 LATE_FRACTION = 0.25
@@ -106,9 +111,10 @@ class TargetTraffic:
                 self._resume()
 
     def pause_end(self, fault: TargetUnavailable, now: datetime) -> datetime:
-        """When the pause `fault` asks for ends: its Retry-After, capped by the connection."""
-        seconds = min(fault.retry_after_seconds or 0.0, self.target.max_pause_seconds)
-        return now + timedelta(seconds=seconds)
+        """When the pause `fault` asks for ends: its Retry-After, at least `MIN_PAUSE_SECONDS` (a
+        `Retry-After: 0` would have every sender ask again at once), capped by the connection."""
+        seconds = max(fault.retry_after_seconds or 0.0, MIN_PAUSE_SECONDS)
+        return now + timedelta(seconds=min(seconds, self.target.max_pause_seconds))
 
     def pause(self, fault: TargetUnavailable) -> datetime:
         """Pause every send to the target as `fault` (a 429 or 503 with Retry-After) asks. Returns

@@ -5,6 +5,7 @@ breaker. The multi-process budget test is in tests/acceptance/test_rate_budget.p
 
 from __future__ import annotations
 
+import itertools
 from datetime import datetime, timedelta
 
 import pytest
@@ -104,6 +105,19 @@ def test_a_pause_beyond_the_job_parks_nothing_and_ends_the_chain_rate_limited(wo
     assert report.drained["delivered"] == 1 and report.scanned["delivered"] == 2
     assert heard.told[-1] == ("resumed", "crm")
     assert world.target.requests[before].key == world.key("a")
+
+
+def test_a_target_pausing_every_try_gets_a_few_tries_a_second_apart_then_the_record_waits(world: World) -> None:
+    world.load("a")
+    world.target.program(world.key("a"), *[Answer.status(429, headers={"Retry-After": "0"})] * 10)
+    report = drive(world.engine, RULE)
+    sent = world.target.requests_for(world.key("a"))
+    # The first try and three more, each after a pause of at least a second (Retry-After: 0 counts as 1).
+    assert len(sent) == 4
+    assert all(b.time - a.time >= 0.9 for a, b in itertools.pairwise(sent))
+    row = world.full_ledger_row("a")
+    assert row["status"] == "failed" and row["attempts"] == 0
+    assert report.counts["failed"] == 1
 
 
 def test_a_retry_after_without_429_or_503_is_an_ordinary_failure(world: World) -> None:
