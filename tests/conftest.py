@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from hypothesis import settings as hypothesis_settings
 
 from delivery import db
 from delivery.store.tables import metadata
+from tests.support.databases import create_postgres_database, drop_postgres_database
 from tests.target_server import TargetServer
 
 # Property-based tests (marked `fuzz`): a fixed budget for `make test`, a far larger one for
@@ -42,28 +42,6 @@ hypothesis_settings.register_profile(
     "fuzz", max_examples=3000, deadline=None, suppress_health_check=_FUZZ_HEALTH, print_blob=True
 )
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-POSTGRES_URL = os.environ.get("DELIVERY_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-
-
-def _with_database(url: str, name: str) -> str:
-    return sa.engine.make_url(url).set(database=name).render_as_string(hide_password=False)
-
-
-def create_postgres_database(name: str) -> str:
-    admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    admin.dispose()
-    return _with_database(POSTGRES_URL, name)
-
-
-def drop_postgres_database(name: str) -> None:
-    admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    admin.dispose()
 
 
 @pytest.fixture(scope="session")
@@ -161,7 +139,3 @@ def target(_target_session: TargetServer, monkeypatch: pytest.MonkeyPatch) -> Ta
     _target_session.reset()
     monkeypatch.setenv("CRM_TOKEN", "s3cr3t-token-value")
     return _target_session
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"

@@ -15,7 +15,7 @@ from delivery.clock import utcnow
 from delivery.domain import MirrorInput
 from delivery.store.mirror import load_records
 from delivery.store.tables import connections, ledger, mirror_records, retired_ledger_rows, rules
-from tests.acceptance.test_cli import (
+from tests.support.cli import (
     RULE,
     as_json,
     config,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -23,114 +22,33 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
-from delivery.apply import apply_config
-from delivery.config import parse_config
-from delivery.domain import ConnectionStatus, MirrorInput
-from delivery.store import catalog
-from delivery.store.mirror import load_records
 from delivery.store.tables import connections, ledger, mirror_records, rules
-from tests.support.cli import as_json, delivery, finish, ok, prefect_env, refused, spawn
+from tests.support.cli import (
+    LEDGER_KEYS,
+    RULE,
+    SECRET,
+    STATUSES,
+    UNREACHABLE,
+    ZERO_COUNTS,
+    as_json,
+    assert_catalog_empty,
+    config,
+    contact,
+    delivery,
+    finish,
+    load,
+    mirror_by_id,
+    ok,
+    prefect_env,
+    refused,
+    set_status,
+    set_up,
+    spawn,
+    table_rows,
+    write_jsonl,
+    write_yaml,
+)
 from tests.target_server import TargetServer
-
-RULE = "contacts-to-crm"
-SECRET = "s3cr3t-token-value"
-UNREACHABLE = "http://127.0.0.1:9/api"
-LEDGER_KEYS = {
-    "rule",
-    "external_id",
-    "status",
-    "remote_id",
-    "attempts",
-    "next_attempt_at",
-    "last_error",
-    "in_doubt",
-    "updated_at",
-}
-STATUSES = ("delivered", "suppressed", "failed", "exhausted", "remote_gone")
-ZERO_COUNTS = dict.fromkeys(STATUSES, 0)
-
-
-# -- helpers ------------------------------------------------------------------------------------
-
-
-def config(
-    base_url: str = UNREACHABLE,
-    *,
-    target: dict[str, Any] | None = None,
-    rule: dict[str, Any] | None = None,
-    more_rules: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    return {
-        "connections": [
-            {
-                "name": "crm",
-                "driver": "rest",
-                "base_url": base_url,
-                "token_env": "CRM_TOKEN",
-                "timeout_seconds": 2,
-                **(target or {}),
-            },
-            {"name": "shop"},
-        ],
-        "rules": [
-            {
-                "name": RULE,
-                "source": "shop",
-                "domain": "contact",
-                "target": "crm",
-                "collection": "contacts",
-                "policy": "create_and_update",
-                "batch_size": 10,
-                **(rule or {}),
-            },
-            *(more_rules or []),
-        ],
-    }
-
-
-def write_yaml(directory: Path, name: str, data: dict[str, Any]) -> str:
-    (directory / name).write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
-    return name
-
-
-def write_jsonl(directory: Path, name: str, lines: Sequence[dict[str, Any] | str]) -> str:
-    text = "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
-    (directory / name).write_text(text, encoding="utf-8")
-    return name
-
-
-def contact(external_id: str, **fields: Any) -> dict[str, Any]:
-    return {
-        "id": external_id,
-        "payload": {"email": f"{external_id}@example.com", "name": f"Name {external_id}", **fields},
-    }
-
-
-def table_rows(engine: sa.Engine, table: sa.Table) -> list[dict[str, Any]]:
-    with engine.connect() as conn:
-        return [row._asdict() for row in conn.execute(sa.select(table).order_by(table.c.id))]
-
-
-def mirror_by_id(engine: sa.Engine) -> dict[str, dict[str, Any]]:
-    return {row["external_id"]: row for row in table_rows(engine, mirror_records)}
-
-
-def assert_catalog_empty(engine: sa.Engine) -> None:
-    assert table_rows(engine, connections) == []
-    assert table_rows(engine, rules) == []
-
-
-def set_up(engine: sa.Engine, data: dict[str, Any], *records: dict[str, Any]) -> None:
-    """In-process setup: apply `data` and load `records` into shop/contact."""
-    with engine.begin() as conn:
-        apply_config(conn, parse_config(yaml.safe_dump(data)))
-        if records:
-            load_records(conn, "shop", "contact", [MirrorInput(r["id"], r["payload"]) for r in records])
-
-
-def set_status(engine: sa.Engine, name: str, status: str) -> None:
-    with engine.begin() as conn:
-        catalog.set_connection_status(conn, name, ConnectionStatus(status))
 
 
 @pytest.fixture
@@ -239,10 +157,6 @@ def test_a_value_longer_than_its_column_is_refused_as_input(db_url: str, engine:
 
 
 # -- 2. mirror load -----------------------------------------------------------------------------
-
-
-def load(cwd: Path, name: str, source: str = "shop", domain: str = "contact") -> subprocess.CompletedProcess[str]:
-    return delivery("mirror", "load", "--source", source, "--domain", domain, name, cwd=cwd)
 
 
 def test_mirror_load_moves_the_change_signal_only_on_a_real_change(engine: sa.Engine, applied: Path) -> None:

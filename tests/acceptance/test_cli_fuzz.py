@@ -42,9 +42,10 @@ from typer.testing import CliRunner
 
 from delivery import db
 from delivery.storable import text_problem
-from delivery.store.tables import connections, metadata
+from delivery.store.tables import connections
 from flows.cli import main
-from tests.acceptance.test_cli import config, contact, set_up
+from tests.support.cli import config, contact, set_up
+from tests.support.ledger import dump
 
 pytestmark = [
     pytest.mark.fuzz,
@@ -132,14 +133,6 @@ def check_answer(outcome: Outcome, *, usage_allowed: bool = False) -> None:
     assert len(lines) >= 2, str(outcome)
     # One line per problem: a line break inside a problem would print a line that is no `error:`.
     assert all(line.startswith("error: ") and line[len("error: ") :].strip() for line in lines[:-1]), str(outcome)
-
-
-def dump(engine: sa.Engine) -> dict[str, list[tuple[Any, ...]]]:
-    with engine.connect() as conn:
-        return {
-            table.name: [tuple(row) for row in conn.execute(sa.select(table).order_by(*table.primary_key.columns))]
-            for table in metadata.sorted_tables
-        }
 
 
 @pytest.fixture

@@ -21,7 +21,8 @@ import sqlalchemy as sa
 from delivery.clock import utcnow
 from delivery.store.tables import chains, ledger, mirror_records, requeues, rules
 from delivery.tick import record_launch
-from tests.acceptance.test_cli import (
+from tests.integration.world import World
+from tests.support.cli import (
     RULE,
     assert_catalog_empty,
     config,
@@ -35,8 +36,7 @@ from tests.acceptance.test_cli import (
     table_rows,
     write_jsonl,
 )
-from tests.integration.test_requeue_status import park
-from tests.integration.world import World
+from tests.support.ledger import park
 from tests.target_server import TargetServer
 
 NUL = "holds a NUL character (\\u0000), which PostgreSQL cannot store"

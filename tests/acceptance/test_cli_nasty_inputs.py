@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from tests.acceptance.test_cli import config, contact, set_up
-from tests.acceptance.test_cli_fuzz import dump
-from tests.support.cli import finish, spawn
+from tests.support.cli import config, contact, finish, set_up, spawn
+from tests.support.ledger import dump
 
 
 def laughs(width: int, depth: int) -> str:

@@ -9,7 +9,7 @@ import pytest
 import sqlalchemy as sa
 
 from delivery.store.tables import mirror_records
-from tests.acceptance.test_cli import config, contact, load, ok, refused, set_up, table_rows, write_jsonl, write_yaml
+from tests.support.cli import config, contact, load, ok, refused, set_up, table_rows, write_jsonl, write_yaml
 
 
 @pytest.fixture

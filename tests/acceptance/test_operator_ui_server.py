@@ -24,10 +24,10 @@ from flows.breaker_events import OPENED
 from flows.cli import app
 from flows.deliver_rule import records_artifact_key
 from flows.traffic_events import PAUSED, RESUMED
-from tests.conftest import unique
 from tests.integration.runs import run_artifacts, run_logs, run_state
 from tests.integration.world import RULE, World
 from tests.prefect_server import prefect_server
+from tests.support.databases import unique
 from tests.target_server import Answer, TargetServer
 
 

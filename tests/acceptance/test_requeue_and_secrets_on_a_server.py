@@ -35,10 +35,10 @@ import sqlalchemy as sa
 from delivery import db
 from delivery.clock import utcnow
 from delivery.store.tables import metadata, requeues
-from tests.conftest import create_postgres_database, drop_postgres_database, unique
-from tests.integration.test_requeue_status import park
 from tests.integration.world import RULE, World
 from tests.prefect_server import prefect_server, stop_group
+from tests.support.databases import create_postgres_database, drop_postgres_database, unique
+from tests.support.ledger import park
 from tests.target_server import TargetServer
 
 pytestmark = pytest.mark.slow

@@ -40,9 +40,9 @@ import pytest
 import sqlalchemy as sa
 
 from delivery import db
-from tests.conftest import unique
 from tests.integration.world import World, email
 from tests.prefect_server import api_call, free_port, healthy, prefect_server
+from tests.support.databases import unique
 from tests.target_server import Answer, TargetServer
 
 DELIVERY = str(Path(sys.executable).parent / "delivery")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.acceptance.test_cli import delivery, refused
+from tests.support.cli import delivery, refused
 
 
 @pytest.mark.parametrize(

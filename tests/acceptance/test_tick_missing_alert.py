@@ -33,8 +33,8 @@ import pytest
 import sqlalchemy as sa
 
 from flows.alerts import FORMER_NAMES, TICK_MISSING_FILE, automations, install
-from tests.conftest import unique
 from tests.prefect_server import prefect_server
+from tests.support.databases import unique
 
 WINDOW = timedelta(seconds=20)
 #: How late a firing may come: Prefect evaluates proactive triggers every 5 s, then the actions

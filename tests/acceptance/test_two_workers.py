@@ -42,9 +42,9 @@ import yaml
 from delivery.apply import apply_config
 from delivery.config import parse_config
 from delivery.store.tables import chains, rules
-from tests.conftest import create_postgres_database, drop_postgres_database
 from tests.integration.world import World
 from tests.prefect_server import api_call, prefect_server, stop_group
+from tests.support.databases import create_postgres_database, drop_postgres_database
 from tests.target_server import TargetServer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,8 +11,8 @@ import sqlalchemy as sa
 
 import flows.lock
 from flows.lock import ensure_lock
-from tests.conftest import unique
 from tests.integration.world import RULE
+from tests.support.databases import unique
 
 
 def own_rule_lock(monkeypatch: pytest.MonkeyPatch, prefix: str) -> str:

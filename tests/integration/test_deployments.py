@@ -20,8 +20,8 @@ from delivery.clock import utcnow
 from delivery.store import chains
 from flows.alerts import automations
 from flows.cli import app, main
-from tests.conftest import unique
 from tests.integration.world import World
+from tests.support.databases import unique
 from tests.target_server import TargetServer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -32,7 +32,7 @@ import pytest
 import sqlalchemy as sa
 
 from delivery import db
-from tests.conftest import create_postgres_database, drop_postgres_database
+from tests.support.databases import create_postgres_database, drop_postgres_database
 
 PROCESSES = 4
 ROUNDS = 3

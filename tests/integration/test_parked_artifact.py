@@ -22,8 +22,8 @@ from delivery.store.tables import ledger
 from flows import parked_artifact
 from flows.parked_artifact import parked_artifact_key, parked_markdown, publish_parked_set
 from flows.requeue import delivery_requeue
-from tests.integration.test_requeue_status import park
 from tests.integration.world import RULE, World
+from tests.support.ledger import park
 from tests.target_server import TargetServer
 
 T0 = datetime(2025, 6, 1, 8, 0, 0, 123456, tzinfo=UTC)

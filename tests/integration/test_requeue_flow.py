@@ -28,8 +28,8 @@ from delivery.store.tables import requeues
 from flows.cli import app
 from flows.parked_artifact import parked_artifact_key
 from flows.requeue import ANY_TIME, DEFAULT_STATUSES, artifact_key, delivery_requeue, run_name
-from tests.integration.test_requeue_status import park, snapshot
 from tests.integration.world import RULE, World
+from tests.support.ledger import park, snapshot
 from tests.target_server import TargetServer
 
 NEW = datetime(2025, 6, 1, 8, 0, tzinfo=UTC)

@@ -19,9 +19,10 @@ from delivery.clock import utcnow
 from delivery.domain import LedgerStatus
 from delivery.store import catalog
 from delivery.store import requeue as requeue_store
-from delivery.store.tables import connections, ledger, requeues, rules
+from delivery.store.tables import connections, requeues, rules
 from flows.cli import app, main
 from tests.integration.world import RULE, World
+from tests.support.ledger import park, snapshot
 from tests.target_server import Answer, TargetServer
 
 STATUSES = [s.value for s in LedgerStatus]
@@ -57,11 +58,6 @@ def refused(monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
     return err + out
 
 
-def snapshot(engine: sa.Engine) -> list[dict[str, Any]]:
-    with engine.connect() as conn:
-        return [r._asdict() for r in conn.execute(sa.select(ledger).order_by(ledger.c.id))]
-
-
 def history_count(engine: sa.Engine) -> int:
     with engine.connect() as conn:
         return int(conn.execute(sa.select(sa.func.count()).select_from(requeues)).scalar_one())
@@ -69,29 +65,6 @@ def history_count(engine: sa.Engine) -> int:
 
 def posts_for(target: TargetServer, key: str) -> list[str]:
     return [r.headers["idempotency-key"] for r in target.requests if r.method == "POST" and r.key == key]
-
-
-def park(world: World, external_id: str, status: str, *, last_error: str = "HTTP 500", updated_at: datetime) -> None:
-    """A ledger row as a chain would have left it, for tests about selecting rows (no flow)."""
-    rule_id, record_id = world.rule_row()["id"], world.record_id(external_id)
-    terminal = status in ("exhausted", "remote_gone")
-    with world.engine.begin() as conn:
-        conn.execute(
-            ledger.insert().values(
-                rule_id=rule_id,
-                record_id=record_id,
-                status=status,
-                remote_id="r-9" if status == "remote_gone" else None,
-                attempts=3 if terminal else 1,
-                next_attempt_at=None if terminal else updated_at + timedelta(hours=1),
-                last_error=last_error,
-                settled_changed_at=updated_at,
-                fingerprint=None,
-                create_generation=0,
-                created_at=updated_at,
-                updated_at=updated_at,
-            )
-        )
 
 
 @pytest.fixture

@@ -25,8 +25,8 @@ from delivery.errors import ConfigError, MissingCredential
 from delivery.store import catalog
 from delivery.store.tables import chains, ledger
 from delivery.writers.base import token_for
-from tests.conftest import unique
 from tests.integration.world import RULE, World
+from tests.support.databases import unique
 from tests.target_server import Answer, TargetServer
 
 FIRST = "first-token-from-a-block"
