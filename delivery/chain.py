@@ -43,7 +43,7 @@ from delivery.domain import (
 from delivery.errors import (
     MissingCredential,
     MissingWriter,
-    Unauthorized,
+    RuleFault,
     UnusableCredential,
 )
 from delivery.grouped import GroupedJob
@@ -436,8 +436,10 @@ class Chain:
                 return None
         try:
             done = self.step.carry_out(candidate, plan, intent, breaker, self.job_bounds(signals.stop))
-        except Unauthorized:
-            self._withdraw(candidate, intent)  # refused before anything was applied
+        except RuleFault:
+            # Raised before anything was applied (a refused token, a verb the writer lacks): the
+            # intent goes back, so the fault writes nothing.
+            self._withdraw(candidate, intent)
             raise
         if done is None or isinstance(done, ChainEnd):
             self._withdraw(candidate, intent)  # nothing went out

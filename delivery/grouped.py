@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from delivery.breaker import TargetBreaker
 from delivery.domain import Candidate, ChainEnd, LedgerRow, LedgerStatus, Outcome, Phase, Verb
-from delivery.errors import LedgerRowConflict, Unauthorized
+from delivery.errors import LedgerRowConflict, RuleFault
 from delivery.settle import GROUP_RECORDS, SettleGroups
 from delivery.step import Send
 from delivery.store import ledger
@@ -141,8 +141,10 @@ class GroupedJob:
             self.sent.add(index)
         try:
             done = self.chain.step.carry_out(candidate, plan, intent, breaker, self.chain.job_bounds(signals.stop))
-        except Unauthorized:
-            self.sent.discard(index)  # refused before anything was applied: its intent goes back
+        except RuleFault:
+            # Raised before anything was applied (a refused token, a verb the writer lacks): its
+            # intent goes back, so the fault writes nothing.
+            self.sent.discard(index)
             raise
         if done is None or isinstance(done, ChainEnd):
             self.sent.discard(index)  # nothing went out: its intent goes back
