@@ -111,7 +111,7 @@ class Chain:
         self._step: RecordStep | None = None
         self._breaker: TargetBreaker | None = None
         self._traffic: TargetTraffic | None = None
-        #: When the job in progress must have ended (see `_job_bounds`).
+        #: The latest the job in progress may still make a request (see `_job_deadline`).
         self._deadline: datetime | None = None
         #: The workers' breakers, the chain's own first (see `_work`).
         self._lanes: list[TargetBreaker] = []
