@@ -14,7 +14,7 @@ neighbours (the halves spend no attempt; only the record finally refused alone d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from delivery import policy
@@ -42,9 +42,9 @@ class BulkJob(GroupedJob):
         self, chain: Chain, candidates: list[Candidate], lanes: list[TargetBreaker], phase: Phase, writer: Writer
     ) -> None:
         super().__init__(chain, candidates, lanes, phase)
+        assert isinstance(writer, (CreatesMany, UpdatesMany))  # `offers_batches`: chosen for it
         self.writer = writer
-        sizes = [w.max_items for w in (writer,) if isinstance(w, (CreatesMany, UpdatesMany))]
-        self.window_size = max(1, min(sizes or [1]))
+        self.window_size = max(1, writer.max_items)
 
     def _units(self) -> int:
         return -(-len(self.candidates) // self.window_size)  # windows, the last one short
@@ -135,7 +135,13 @@ class BulkJob(GroupedJob):
                 assert row is not None and row.remote_id is not None  # an update has a row holding the remote id
                 items.append(UpdateItem(row.remote_id, plan.body))
         writer = self.writer
-        call = writer.create_many if verb is Verb.CREATE else writer.update_many  # type: ignore[attr-defined]
+        # Only records whose verb the writer offers in batches reach here (see `_unit`).
+        call: Callable[[Any], list[Any]] | None = None
+        if isinstance(writer, CreatesMany) and verb is Verb.CREATE:
+            call = writer.create_many
+        if isinstance(writer, UpdatesMany) and verb is Verb.UPDATE:
+            call = writer.update_many
+        assert call is not None
         try:
             results = step.call(breaker, self.chain.job_bounds(signals.stop), call, items)
         except BatchRefused as refused:
