@@ -2,6 +2,13 @@
 
 Only a target that did not take a write (timeout, connection error, 5xx, 429) counts against it; the
 connection's status is never touched by it (ADR-0029: the breaker's cooldown is the recovery).
+
+This module owns the breaker's rules: what counts as a failure (`_not_the_targets_fault`), when an
+open breaker lets a trial call through (`reopens_at`), until when it is open (`open_until`, for a
+breaker object and for the stored row alike) and the target counts as down (`outage_until`), and
+the state in words that the chain, `delivery status` and `delivery preview` show (`open_message`,
+`state_in_words`). The state itself is kept by `delivery.store.breaker`; pybreaker's private names
+are read only in `delivery.pybreaker_private`.
 """
 
 from __future__ import annotations
@@ -13,9 +20,10 @@ from typing import Any
 import pybreaker
 import sqlalchemy as sa
 
-from delivery.domain import Rule
+from delivery import pybreaker_private
+from delivery.domain import Connection, Rule
 from delivery.errors import TargetUnavailable
-from delivery.store.breaker import DatabaseBreakerStorage
+from delivery.store.breaker import DatabaseBreakerStorage, breaker_state
 
 
 def _not_the_targets_fault(exc: BaseException) -> bool:
@@ -28,6 +36,41 @@ def _not_the_targets_fault(exc: BaseException) -> bool:
 def reopens_at(opened_at: datetime | None, reset_seconds: float) -> datetime | None:
     """When an open breaker lets a trial call through."""
     return None if opened_at is None else opened_at + timedelta(seconds=reset_seconds)
+
+
+def _open_until(state: str, opened_at: datetime | None, reset_seconds: float, now: datetime) -> datetime | None:
+    if state != pybreaker.STATE_OPEN:
+        return None
+    until = reopens_at(opened_at, reset_seconds)
+    return until if until is not None and until > now else None
+
+
+def stored_open_until(conn: sa.Connection, target: Connection, now: datetime) -> datetime | None:
+    """`TargetBreaker.open_until`, read from the stored state without a breaker object (making one
+    writes its row): what `delivery preview` asks."""
+    row = breaker_state(conn, target.id)
+    if row is None:
+        return None
+    return _open_until(row["state"], row["opened_at"], target.breaker.reset_seconds, now)
+
+
+def open_message(target: str, until: datetime | None) -> str:
+    """How a chain the open breaker stops (or a preview of it) says so."""
+    when = f" until {until.isoformat(timespec='seconds')}" if until else ""
+    return f"breaker open for target {target!r}{when}; the connection status is unchanged"
+
+
+def state_in_words(conn: sa.Connection, target: Connection, now: datetime) -> str:
+    """The target's breaker as `delivery status` shows it, read from the stored state."""
+    state = breaker_state(conn, target.id)
+    if state is None or state["state"] == pybreaker.STATE_CLOSED:
+        return "closed" if state is None or not state["fail_counter"] else f"closed ({state['fail_counter']} failures)"
+    until = reopens_at(state["opened_at"], target.breaker.reset_seconds)
+    if state["state"] == pybreaker.STATE_OPEN and until is not None:
+        if until > now:
+            return f"open until {until.isoformat(timespec='seconds')}"
+        return "open (a trial call is due)"
+    return str(state["state"])
 
 
 class BreakerListener(pybreaker.CircuitBreakerListener):
@@ -77,18 +120,18 @@ class TargetBreaker(pybreaker.CircuitBreaker):
     # listeners can be told whether this write is the one that changed it.
 
     def open(self) -> bool:
-        with self._lock:
-            self._state_storage.opened_at = datetime.now(UTC)
+        with pybreaker_private.lock(self):
+            self.storage.opened_at = datetime.now(UTC)
             self._switch(pybreaker.STATE_OPEN)
-            return self._throw_new_error_on_trip
+            return pybreaker_private.throws_new_error_on_trip(self)
 
     def half_open(self) -> None:
-        with self._lock:
+        with pybreaker_private.lock(self):
             self._switch(pybreaker.STATE_HALF_OPEN)
 
     def close(self) -> None:
-        with self._lock:
-            self._state_storage.reset_success_counter()
+        with pybreaker_private.lock(self):
+            self.storage.reset_success_counter()
             self._switch(pybreaker.STATE_CLOSED)
 
     def _switch(self, state: str) -> None:
@@ -118,5 +161,4 @@ class TargetBreaker(pybreaker.CircuitBreaker):
         """When an open breaker lets a trial call through; None when it is not open now."""
         if self.current_state != pybreaker.STATE_OPEN:
             return None
-        until = reopens_at(self.storage.opened_at, self.reset_timeout)
-        return until if until is not None and until > now else None
+        return _open_until(pybreaker.STATE_OPEN, self.storage.opened_at, self.reset_timeout, now)

@@ -23,7 +23,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from delivery import policy
-from delivery.breaker import BreakerListener, TargetBreaker
+from delivery.breaker import BreakerListener, TargetBreaker, open_message
 from delivery.bulk import BulkJob, offers_batches
 from delivery.clock import utcnow
 from delivery.domain import (
@@ -243,8 +243,7 @@ class Chain:
         )
 
     def _breaker_message(self, until: datetime | None) -> str:
-        when = f" until {until.isoformat(timespec='seconds')}" if until else ""
-        return f"breaker open for target {self.rule.target.name!r}{when}; the connection status is unchanged"
+        return open_message(self.rule.target.name, until)
 
     def _end(self, how: ChainEnd, message: str) -> ChainEnd:
         self.report.ended_by = how

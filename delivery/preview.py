@@ -19,18 +19,15 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import pybreaker
 import sqlalchemy as sa
 
-from delivery import policy
-from delivery.breaker import reopens_at
+from delivery import breaker, policy
 from delivery.clock import utcnow
 from delivery.domain import Candidate, ChainEnd, Cursor, LedgerStatus, Phase, Rule, Verb
 from delivery.errors import MissingWriter, UnexpectedCandidate, UnsupportedDeliveryVerb
 from delivery.step import RecordStep, Send
 from delivery.store import catalog, ledger
 from delivery.store import traffic as traffic_store
-from delivery.store.breaker import breaker_state
 from delivery.store.preview import read_only_snapshot, scan_changes
 from delivery.writers.base import Writer, verbs_of
 from delivery.writers.registry import find_writer
@@ -260,16 +257,9 @@ def _hold(conn: sa.Connection, rule: Rule, writer_type: type[Writer] | None, now
     if closed is not None:
         end, message = closed
         return Hold(end.value, message)
-    # `TargetBreaker.open_until`, read from the stored state (a breaker object would write its row).
-    stored = breaker_state(conn, rule.target.id)
-    if stored is not None and stored["state"] == pybreaker.STATE_OPEN:
-        until = reopens_at(stored["opened_at"], rule.target.breaker.reset_seconds)
-        if until is not None and until > now:
-            return Hold(
-                ChainEnd.BREAKER_OPEN.value,
-                f"breaker open for target {rule.target.name!r} until {until.isoformat(timespec='seconds')}; "
-                "the connection status is unchanged",
-            )
+    until = breaker.stored_open_until(conn, rule.target, now)
+    if until is not None:
+        return Hold(ChainEnd.BREAKER_OPEN.value, breaker.open_message(rule.target.name, until))
     paused = traffic_store.paused_until(conn, rule.target.id, now)
     if paused is not None and paused.paused_until is not None:
         return Hold(

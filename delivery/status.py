@@ -9,14 +9,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from delivery.breaker import reopens_at
+from delivery import breaker
 from delivery.domain import ChainEnd, Connection, LedgerStatus, Rule
 from delivery.policy import closed_connection, scan_start
 from delivery.store import catalog, chains
 from delivery.store import ledger as ledger_store
 from delivery.store import status as status_store
 from delivery.store import traffic as traffic_store
-from delivery.store.breaker import breaker_state
 
 
 def _route(rule: Rule) -> tuple[bool, str]:
@@ -25,18 +24,6 @@ def _route(rule: Rule) -> tuple[bool, str]:
         return True, "open"
     role, connection = closed
     return False, f"{role} {connection.name} is {connection.status.value}"
-
-
-def _breaker(conn: sa.Connection, target: Connection, now: datetime) -> str:
-    state = breaker_state(conn, target.id)
-    if state is None or state["state"] == "closed":
-        return "closed" if state is None or not state["fail_counter"] else f"closed ({state['fail_counter']} failures)"
-    until = reopens_at(state["opened_at"], target.breaker.reset_seconds)
-    if state["state"] == "open" and until is not None:
-        if until > now:
-            return f"open until {until.isoformat(timespec='seconds')}"
-        return "open (a trial call is due)"
-    return str(state["state"])
 
 
 #: The state a `deliver-rule` run ends in, per chain end, as the Prefect UI's run list names it:
@@ -99,7 +86,7 @@ def overview(conn: sa.Connection, now: datetime) -> list[dict[str, Any]]:
                 "enabled": rule.enabled,
                 "route_open": route_open,
                 "route": route_why,
-                "breaker": _breaker(conn, rule.target, now),
+                "breaker": breaker.state_in_words(conn, rule.target, now),
                 "traffic": traffic_text(rule.target, traffic.get(rule.target.id), now),
                 "cursor": rule.cursor.as_json() if rule.cursor else None,
                 "cursor_lag_seconds": lag,
@@ -155,7 +142,7 @@ def connection_overview(conn: sa.Connection, now: datetime) -> list[dict[str, An
                 "name": c.name,
                 "driver": c.driver,
                 "status": c.status.value,
-                "breaker": _breaker(conn, c, now),
+                "breaker": breaker.state_in_words(conn, c, now),
                 "rate_limit": None if limit is None else {"per_second": limit.per_second, "per_day": limit.per_day},
                 "sent_today": sent_today(row, now),
                 "paused_until": until.isoformat() if until else None,

@@ -47,7 +47,7 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         self._reset_due = False
         #: Writes this storage made; with grouped settles another thread observes rows for it.
         self._writes = 0
-        self._lock = threading.Lock()
+        self._guard = threading.Lock()
         self._ensure_row()
 
     @property
@@ -66,7 +66,7 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         (grouped settles observe from another thread than the worker's): if this storage wrote
         since, the row is older than its own write and is not taken. Returns the row as it stands
         after the reset, for the next worker's storage."""
-        with self._lock:
+        with self._guard:
             if mark is not None and mark != self._writes:
                 return row
             reset_due, self._reset_due = self._reset_due, False
@@ -112,7 +112,7 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
             ).scalar_one()
 
     def _set(self, **values: Any) -> None:
-        with self._lock:
+        with self._guard:
             self._writes += 1
             self._snapshot = None
             self._reset_due = False
@@ -131,7 +131,7 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         """Write `state` and return the state it replaced, or None when the row held it already.
         Each step is a compare-and-set, so when several processes make the same change at once
         exactly one of them is told it did (the one whose write changed the row)."""
-        with self._lock:
+        with self._guard:
             self._writes += 1
             self._snapshot = None
             self._reset_due = False
@@ -152,7 +152,7 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         # Called after every success. With a fresh row the reset is put off to the engine's next
         # read of the row (`observe`, in the transaction that settles this record), which writes
         # it only if there are failures to clear: no write transaction per success.
-        with self._lock:
+        with self._guard:
             if self._fresh() is not None:
                 self._reset_due = True
                 return
