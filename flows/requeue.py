@@ -1,10 +1,10 @@
 """`delivery-requeue`: put parked records back from the Prefect UI, as `delivery requeue` does.
 
 The same selection, checked the same way (`Selection.of`: only exhausted, remote_gone and failed
-rows), the same versioned write (`delivery.store.requeue.requeue`), and the same audit row in
-`requeues`, which also names this flow run. What it changed is published as the table artifact
-`requeue-RULE` on the run, what a dry run would change as `requeue-dry-run-RULE`, so the operator who
-pressed "Run" sees the records there; a real requeue then refreshes the rule's `parked-RULE`
+rows), the same versioned write through the same service (`delivery.requeue.requeue`), and the
+same audit row in `requeues`, which also names this flow run. What it changed is published as the
+table artifact `requeue-RULE` on the run, what a dry run would change as `requeue-dry-run-RULE`, so
+the operator who pressed "Run" sees the records there; a real requeue then refreshes the rule's `parked-RULE`
 artifact (`flows.parked_artifact`). The run is named `requeue RULE` (`requeue RULE (dry run)`) and
 tagged `rule:RULE` and `target:TARGET`, as a chain's run is.
 
@@ -35,12 +35,10 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
 from pydantic import TypeAdapter, ValidationError
 
-from delivery.clock import utcnow
+from delivery import requeue as requeue_service
 from delivery.db import DatabaseUnavailable, DatabaseUrlError, shared_engine
 from delivery.errors import DeliveryError, InputError, UnknownName
 from delivery.settings import SettingsError, settings
-from delivery.store import catalog
-from delivery.store import requeue as requeue_store
 from flows.parked_artifact import parked_artifact_key, publish_parked_set_sync
 
 #: At most this many records are listed in the artifact; its description always gives the total.
@@ -51,7 +49,7 @@ ERROR_EXCERPT = 200
 #: What the UI offers for `statuses` (a list of choices, not free text).
 RequeuableStatus = Literal["exhausted", "remote_gone", "failed"]
 #: What the form shows in `statuses` to begin with: what a requeue takes when none is named
-#: (`delivery.store.requeue.DEFAULT_STATUSES`; an empty list still means the same).
+#: (`delivery.requeue.DEFAULT_STATUSES`; an empty list still means the same).
 DEFAULT_STATUSES: tuple[RequeuableStatus, ...] = ("exhausted", "remote_gone")
 #: `since`'s default, shown in the form's date picker: every row changed after it, i.e. any time.
 ANY_TIME = datetime(1970, 1, 1, tzinfo=UTC)
@@ -82,7 +80,9 @@ def _records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def _publish(rule: str, rows: list[dict[str, Any]], selection: requeue_store.Selection, dry_run: bool, by: str) -> None:
+def _publish(
+    rule: str, rows: list[dict[str, Any]], selection: requeue_service.Selection, dry_run: bool, by: str
+) -> None:
     verb = "would requeue" if dry_run else "requeued"
     shown = "" if len(rows) <= ARTIFACT_ROWS else f" (the first {ARTIFACT_ROWS} are listed)"
     criteria = selection.as_json()
@@ -112,7 +112,7 @@ def _checked(parameter: str, adapter: TypeAdapter[Any], value: Any) -> Any:
     try:
         return adapter.validate_python(value)
     except ValidationError as exc:
-        raise requeue_store.RequeueInputError(parameter, exc.errors()[0]["msg"]) from None
+        raise requeue_service.RequeueInputError(parameter, exc.errors()[0]["msg"]) from None
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class Request:
     options: `RequeueInputError` naming the parameter otherwise."""
 
     rule: str
-    selection: requeue_store.Selection
+    selection: requeue_service.Selection
     dry_run: bool
     by: str
 
@@ -137,14 +137,14 @@ class Request:
         try:
             when: datetime | None = None if since is None else _TIME.validate_python(since)
         except ValidationError:
-            raise requeue_store.RequeueInputError(
+            raise requeue_service.RequeueInputError(
                 "since", f"{str(since)[:60]!r} is not a time; give one like 2025-06-01T08:00:00Z"
             ) from None
         flag: bool = _checked("dry_run", _FLAG, dry_run)
         who: str = ("" if by is None else _checked("by", _TEXT, by)) or default_by
         # An empty list of statuses means the default, as `delivery requeue` without --status does.
-        selection = requeue_store.Selection.of(chosen, only, text or None, None if when == ANY_TIME else when)
-        requeue_store.check_request(name, who)
+        selection = requeue_service.Selection.of(chosen, only, text or None, None if when == ANY_TIME else when)
+        requeue_service.check_request(name, who)
         return cls(name, selection, flag, who)
 
 
@@ -218,7 +218,7 @@ def _label_run(rule: str, dry_run: bool, target: str | None) -> None:
 
 def _target_of(engine: sa.Engine, rule: str) -> str:
     with engine.connect().execution_options(readonly=True) as conn:
-        return catalog.get_rule(conn, rule).target.name
+        return requeue_service.rule_target(conn, rule)
 
 
 @flow(name="delivery-requeue", retries=0, log_prints=False, validate_parameters=False)
@@ -260,7 +260,7 @@ def delivery_requeue(
         )
         engine = shared_engine()
         target = _target_of(engine, request.rule)
-    except requeue_store.RequeueInputError as exc:
+    except requeue_service.RequeueInputError as exc:
         _label_run(_shown(rule), dry_run is True, None)
         return _refused(_shown(rule), InputError(f"{exc.parameter}: {exc}"))
     except DeliveryError as exc:
@@ -269,12 +269,11 @@ def delivery_requeue(
     _label_run(request.rule, request.dry_run, target)
     try:
         with engine.begin() as conn:
-            rows = requeue_store.requeue_or_preview(
+            rows = requeue_service.requeue(
                 conn,
                 request.rule,
                 request.selection,
                 request.by,
-                utcnow(),
                 dry_run=request.dry_run,
                 flow_run_id=flow_run.get_id(),
             )

@@ -23,6 +23,21 @@ from delivery.store.tables import connections, mirror_records
 CHUNK = 500
 
 
+class MirrorInputError(InputError):
+    """A load's source or domain refused, the message naming it in the domain's words (the source
+    connection, the record domain); `parameter` (`source` or `domain`) and `reason` let a caller
+    say which of its own inputs held it (the command line names its option)."""
+
+    def __init__(self, parameter: str, reason: str) -> None:
+        self.parameter = parameter
+        self.reason = reason
+        super().__init__(f"{_NAMES[parameter]} name: {reason}")
+
+
+#: How a load's inputs are named in its errors.
+_NAMES = {"source": "source connection", "domain": "record domain"}
+
+
 @dataclass
 class LoadReport:
     """Each id is counted once, however often the load gives it: its last record is the one stored."""
@@ -88,12 +103,12 @@ def load_records(conn: sa.Connection, source: str, domain: str, records: Iterabl
 
     An id given more than once is stored as its last record and counted once (`repeated` counts
     the others), as what its last record did to the row the load started from."""
-    for flag, value in (("--source", source), ("--domain", domain)):
+    for parameter, value in (("source", source), ("domain", domain)):
         problem = text_problem(value)
         if problem is not None:
-            raise InputError(f"{flag}: {problem}")
+            raise MirrorInputError(parameter, problem)
     if not 1 <= len(domain) <= 200:
-        raise InputError(f"--domain: {domain[:40]!r} must be 1 to 200 characters, as a rule's domain is")
+        raise MirrorInputError("domain", f"{domain[:40]!r} must be 1 to 200 characters, as a rule's domain is")
     src = source_id(conn, source)
     report = LoadReport()
     # How each id loaded so far was counted. One entry per id, not per record: a repeat in a later

@@ -9,6 +9,7 @@ import typer
 
 from delivery.db import upgrade
 from delivery.domain import ConnectionStatus, LedgerStatus
+from delivery.errors import InputError
 from delivery.policy import closed_connection
 from delivery.store import catalog
 from delivery.store import ledger as ledger_store
@@ -76,11 +77,13 @@ def mirror_load(
     as_json: JsonFlag = False,
 ) -> None:
     """Upsert mirror records from FILE, all or nothing; the change signal moves only on a real change."""
-    from delivery.mirror_file import read_mirror_file
-    from delivery.store.mirror import load_records
+    from delivery import mirror
 
-    with engine().begin() as conn:
-        report = load_records(conn, source, domain, read_mirror_file(file))
+    try:
+        with engine().begin() as conn:
+            report = mirror.load_file(conn, source, domain, file)
+    except mirror.MirrorInputError as exc:  # the store names the input; the command line, its option
+        raise InputError(f"--{exc.parameter}: {exc.reason}") from None
     if as_json:
         print_json(
             {

@@ -114,19 +114,18 @@ def requeue_command(
     Idempotency-Key). Every requeue that puts a row back is recorded; `delivery requeues` lists them."""
     import getpass
 
-    from delivery.clock import utcnow
-    from delivery.store import requeue as requeue_store
+    from delivery import requeue as requeue_service
 
     since_time = _parse_time(since) if since else None
     who = by or getpass.getuser()
     try:
         # The same checks as the delivery-requeue flow's.
-        selection = requeue_store.Selection.of(status, ids, error_contains, since_time)
-        requeue_store.check_request(rule, who)
-    except requeue_store.RequeueInputError as exc:
+        selection = requeue_service.Selection.of(status, ids, error_contains, since_time)
+        requeue_service.check_request(rule, who)
+    except requeue_service.RequeueInputError as exc:
         raise InputError(f"{_REQUEUE_OPTIONS.get(exc.parameter, exc.parameter)}: {exc}") from None
     with engine().begin() as conn:
-        rows = requeue_store.requeue_or_preview(conn, rule, selection, who, utcnow(), dry_run=dry_run)
+        rows = requeue_service.requeue(conn, rule, selection, who, dry_run=dry_run)
     if as_json:
         print_json(
             {
@@ -161,12 +160,10 @@ def requeues_command(
     as_json: JsonFlag = False,
 ) -> None:
     """The requeue history: who put back how many records of which rule, when, and with what filters."""
-    from delivery.store import requeue as requeue_store
+    from delivery import requeue as requeue_service
 
     with read_only() as conn:
-        if rule is not None:
-            catalog.get_rule(conn, rule)
-        rows = requeue_store.history(conn, rule)
+        rows = requeue_service.history(conn, rule)
     if as_json:
         print_json([{**r, "requested_at": iso(r["requested_at"])} for r in rows])
         return

@@ -12,7 +12,7 @@ from delivery.apply import apply_config
 from delivery.config import parse_config
 from delivery.domain import MirrorInput
 from delivery.errors import InputError, MirrorLoadError
-from delivery.store.mirror import CHUNK, load_records
+from delivery.store.mirror import CHUNK, MirrorInputError, load_records
 from delivery.store.tables import mirror_records
 
 CONFIG = """
@@ -104,11 +104,19 @@ def test_a_record_no_database_stores_alike_is_refused_by_position(
 
 
 @pytest.mark.parametrize(
-    ("source", "domain", "flag"), [("sh\x00op", "contact", "--source"), ("shop", "\udc80", "--domain")]
+    ("source", "domain", "named", "parameter"),
+    [("sh\x00op", "contact", "source connection", "source"), ("shop", "\udc80", "record domain", "domain")],
 )
-def test_a_source_or_domain_no_database_takes_is_refused(shop: sa.Engine, source: str, domain: str, flag: str) -> None:
-    with pytest.raises(InputError, match=f"^{flag}: holds a"), shop.begin() as conn:
+def test_a_source_or_domain_no_database_takes_is_refused(
+    shop: sa.Engine, source: str, domain: str, named: str, parameter: str
+) -> None:
+    """The store names the input in the domain's words, never a command-line option (`delivery
+    mirror load` names its --source or --domain from `parameter`)."""
+    with pytest.raises(MirrorInputError, match=f"^{named} name: holds a") as caught, shop.begin() as conn:
         load_records(conn, source, domain, [MirrorInput("a", {})])
+    assert isinstance(caught.value, InputError)  # the CLI's exit 2
+    assert caught.value.parameter == parameter
+    assert "--" not in str(caught.value)
     assert rows(shop) == []
 
 
