@@ -155,8 +155,7 @@ def test_a_rate_budget_spaces_the_requests_of_concurrent_workers(world: World) -
     assert len(times) == 16
     for i, start in enumerate(times):
         assert sum(1 for t in times[i:] if t < start + 1.0) <= 10, "more than 10 requests in one second"
-    # Evenly spaced at the budget, not much slower: 15 gaps of 1.05/10 s.
-    assert times[-1] - times[0] < 15 * 0.105 + 1.0
+    # How close to the budget they come is measured by tests/acceptance/test_rate_budget.py.
     assert report.waited_seconds > 0
 
 
