@@ -12,6 +12,7 @@ import sqlalchemy as sa
 from delivery.clock import utcnow
 from delivery.store.tables import chains, connections
 from tests.integration.world import RULE, World
+from tests.support.faults import scan_then_race
 from tests.target_server import Answer, TargetServer
 
 
@@ -384,25 +385,8 @@ def test_ledger_row_where_the_scan_saw_none_fails_the_chain(world: World, monkey
     from delivery.store import ledger as ledger_store
 
     world.load("a")
-    real_scan = ledger_store.scan_page
-
-    def scan_then_race(conn: sa.Connection, rule, after, limit):  # type: ignore[no-untyped-def]
-        page = real_scan(conn, rule, after, limit)
-        for candidate in page:  # another writer settles the record behind the scan's back
-            conn.execute(
-                ledger_store.ledger.insert().values(
-                    rule_id=rule.id,
-                    record_id=candidate.record.id,
-                    status="delivered",
-                    attempts=0,
-                    create_generation=0,
-                    created_at=utcnow(),
-                    updated_at=utcnow(),
-                )
-            )
-        return page
-
-    monkeypatch.setattr(ledger_store, "scan_page", scan_then_race)
+    # Another writer settles the record behind the scan's back.
+    monkeypatch.setattr(ledger_store, "scan_page", scan_then_race(ledger_store.scan_page))
     result = world.run()
     assert result["state"] == "FAILED" and "LedgerRowConflict" in result["message"] and "'a'" in result["message"]
     assert world.cursor() is None

@@ -18,9 +18,9 @@ from delivery.domain import Candidate, ChainEnd, ConnectionStatus
 from delivery.errors import LedgerRowConflict, MissingWriter, RuleFault, UnexpectedCandidate, UnsupportedDeliveryVerb
 from delivery.store import catalog
 from delivery.store import ledger as ledger_store
-from delivery.store.tables import breaker_states
 from tests.integration.world import RULE, World
 from tests.support.chains import drive
+from tests.support.faults import close_route, open_breaker, scan_then_race
 from tests.target_server import Answer, TargetServer
 
 
@@ -83,42 +83,6 @@ def test_the_failure_that_reaches_max_attempts_parks_exhausted(world: World) -> 
 # -- rule faults: the chain ends and nothing is written for them ----------------------------------
 
 
-def _close_route(world: World) -> None:
-    with world.engine.begin() as conn:
-        catalog.set_connection_status(conn, "crm", ConnectionStatus.ERROR)
-
-
-def _open_breaker(world: World) -> None:
-    with world.engine.begin() as conn:
-        target_id = catalog.get_rule(conn, RULE).target.id
-        conn.execute(sa.delete(breaker_states).where(breaker_states.c.connection_id == target_id))
-        conn.execute(
-            breaker_states.insert().values(
-                connection_id=target_id, state="open", fail_counter=3, success_counter=0, opened_at=utcnow()
-            )
-        )
-
-
-def _scan_then_race(real: Callable[..., Any]) -> Callable[..., Any]:
-    def scan(conn: sa.Connection, rule: Any, after: Any, limit: int) -> Any:
-        page = real(conn, rule, after, limit)
-        for candidate in page:  # another writer settles the record behind the scan's back
-            conn.execute(
-                ledger_store.ledger.insert().values(
-                    rule_id=rule.id,
-                    record_id=candidate.record.id,
-                    status="delivered",
-                    attempts=0,
-                    create_generation=0,
-                    created_at=utcnow(),
-                    updated_at=utcnow(),
-                )
-            )
-        return page
-
-    return scan
-
-
 def _leaky_scan(real: Callable[..., Any]) -> Callable[..., Any]:
     def scan(conn: sa.Connection, rule: Any, after: Any, limit: int) -> Any:
         page = real(conn, rule, after, limit)
@@ -129,8 +93,8 @@ def _leaky_scan(real: Callable[..., Any]) -> Callable[..., Any]:
 
 #: Results: how the chain ends (Completed), with nothing sent and nothing written.
 RESULTS: dict[str, tuple[Callable[[World], None], ChainEnd]] = {
-    "route closed": (_close_route, ChainEnd.ROUTE_CLOSED),
-    "breaker open": (_open_breaker, ChainEnd.BREAKER_OPEN),
+    "route closed": (close_route, ChainEnd.ROUTE_CLOSED),
+    "breaker open": (open_breaker, ChainEnd.BREAKER_OPEN),
 }
 
 
@@ -153,7 +117,7 @@ EXCEPTIONS: dict[str, tuple[Callable[[World, pytest.MonkeyPatch], None], type[Ru
     "no writer for the driver": (lambda world, _: world.set_driver("soap"), MissingWriter),
     "the writer lacks the verb": (lambda world, _: world.set_driver("rest-create-only"), UnsupportedDeliveryVerb),
     "a ledger row where the scan said none": (
-        lambda _, mp: mp.setattr(ledger_store, "scan_page", _scan_then_race(ledger_store.scan_page)),
+        lambda _, mp: mp.setattr(ledger_store, "scan_page", scan_then_race(ledger_store.scan_page)),
         LedgerRowConflict,
     ),
     "a candidate the scan should never return": (
@@ -189,7 +153,7 @@ def test_a_rule_fault_fails_the_chain_and_writes_nothing_for_it(
 
 def test_a_later_chain_resumes_where_the_route_closed(world: World) -> None:
     world.load("a")
-    _close_route(world)
+    close_route(world)
     drive(world.engine, RULE)
     with world.engine.begin() as conn:
         catalog.set_connection_status(conn, "crm", ConnectionStatus.ACTIVE)

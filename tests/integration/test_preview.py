@@ -22,7 +22,7 @@ import delivery.settings
 import delivery.writers.base
 from delivery import preview as preview_module
 from delivery.clock import utcnow
-from delivery.domain import ConnectionStatus, LedgerStatus, Phase
+from delivery.domain import LedgerStatus, Phase
 from delivery.errors import UnknownName
 from delivery.preview import (
     CHANGED,
@@ -41,6 +41,7 @@ from flows.cli import preview as cli_preview
 from flows.preview import artifact_key, delivery_preview
 from tests.integration.world import RULE, World
 from tests.support.chains import drive
+from tests.support.faults import close_route, open_breaker
 from tests.target_server import Answer, TargetServer
 
 FIELDS = {"email": "email", "full_name": "name"}
@@ -289,22 +290,6 @@ def _disable(world: World) -> None:
     world.apply(rule={"fields": FIELDS, "enabled": False})
 
 
-def _close_route(world: World) -> None:
-    with world.engine.begin() as conn:
-        catalog.set_connection_status(conn, "crm", ConnectionStatus.ERROR)
-
-
-def _open_breaker(world: World) -> None:
-    with world.engine.begin() as conn:
-        target_id = catalog.get_rule(conn, RULE).target.id
-        conn.execute(sa.delete(breaker_states).where(breaker_states.c.connection_id == target_id))
-        conn.execute(
-            breaker_states.insert().values(
-                connection_id=target_id, state="open", fail_counter=50, success_counter=0, opened_at=utcnow()
-            )
-        )
-
-
 def _pause_target(world: World) -> None:
     with world.engine.begin() as conn:
         target_id = catalog.get_rule(conn, RULE).target.id
@@ -318,11 +303,11 @@ def _pause_target(world: World) -> None:
 HOLDS = {
     "disabled": (_disable, "the chain would not start now (disabled): rule 'contacts-to-crm' is disabled"),
     "route_closed": (
-        _close_route,
+        close_route,
         "the chain would not start now (route_closed): route closed: target connection 'crm' is error",
     ),
     "breaker_open": (
-        _open_breaker,
+        open_breaker,
         "the chain would not start now (breaker_open): breaker open for target 'crm' until",
     ),
     "rate_limited": (
@@ -368,7 +353,7 @@ def test_a_chain_that_would_not_start_says_why_in_a_line_and_still_lists_the_rec
 
 
 def test_a_breaker_whose_cooldown_has_passed_does_not_hold_the_chain(world: World) -> None:
-    _open_breaker(world)
+    open_breaker(world)
     with world.engine.begin() as conn:
         conn.execute(breaker_states.update().values(opened_at=utcnow() - timedelta(seconds=61)))
     assert preview(world.engine, RULE).hold is None
