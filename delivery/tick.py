@@ -94,11 +94,19 @@ def has_work(conn: sa.Connection, rule: Rule, now: datetime) -> bool:
     return bool(ledger.scan_page(conn, rule, policy.scan_start(rule), 1))
 
 
+def needs_chain(conn: sa.Connection, rule: Rule, now: datetime) -> bool:
+    """Whether an enabled rule with no chain alive gets one now: it has something to do
+    (`has_work`), or it is misconfigured (its chain must fail, `misconfigured`). A closed route or
+    an open breaker is no reason by itself: their chain would end at once with nothing to do. The
+    tick's predicate, and `delivery run`'s: a rule for which it is false is idle, no flow run."""
+    return misconfigured(rule) or has_work(conn, rule, now)
+
+
 def plan_tick(conn: sa.Connection, now: datetime, threshold: timedelta) -> TickPlan:
     """A chain is alive while it has not ended and its heartbeat (written as each job starts, about
     once a second while it settles records, and at launch for a run still waiting for a worker) is
-    younger than `threshold`. A rule with none alive gets a chain only when it has something to do
-    (`has_work`) or is misconfigured; otherwise it is idle this tick."""
+    younger than `threshold`. A rule with none alive gets a chain only when `needs_chain`;
+    otherwise it is idle this tick."""
     plan = TickPlan()
     for rule in catalog.list_rules(conn):
         if not rule.enabled:
@@ -113,7 +121,7 @@ def plan_tick(conn: sa.Connection, now: datetime, threshold: timedelta) -> TickP
                 plan.dead.append(DeadChain(rule.name, rule.id, chain["token"], chain["flow_run_id"], silent))
         if alive:
             plan.alive.append(rule.name)
-        elif misconfigured(rule) or has_work(conn, rule, now):
+        elif needs_chain(conn, rule, now):
             plan.start.append(Launch(rule.name, rule.target.name))
         else:
             plan.idle.append(rule.name)

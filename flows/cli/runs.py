@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from delivery.domain import LedgerStatus
+from delivery.domain import LedgerStatus, Rule
 from delivery.settings import dead_chain_minutes
 from delivery.store import catalog
 from flows.cli.apps import app
@@ -23,23 +23,73 @@ from flows.cli.output import (
     show,
 )
 
+#: `ended_by` of a `delivery run` that started no chain: the rule had nothing to do.
+NOTHING_TO_DO = "nothing_to_do"
+NOTHING_TO_DO_MESSAGE = "no due retries, no changes since the cursor"
+
+
+def nothing_to_do(rule: Rule) -> dict[str, Any]:
+    """What `delivery run --json` prints for a rule the tick would leave idle: the keys of a chain's
+    summary (`flows.deliver_rule.run_now`), no flow run, every count 0, the cursor where it is."""
+    zero = {s.value: 0 for s in LedgerStatus}
+    cursor = rule.cursor.as_json() if rule.cursor else None
+    return {
+        "rule": rule.name,
+        "state": "COMPLETED",
+        "ended_by": NOTHING_TO_DO,
+        "message": NOTHING_TO_DO_MESSAGE,
+        "counts": dict(zero),
+        "drained": dict(zero),
+        "scanned": dict(zero),
+        "cursor_before": cursor,
+        "cursor_after": cursor,
+        "waited_seconds": 0.0,
+        "flow_run_id": None,
+    }
+
 
 @app.command("run")
 def run(
     rule: Annotated[str, typer.Argument(help="Rule name.")],
+    always: Annotated[
+        bool,
+        typer.Option(
+            "--always",
+            metavar="",
+            help="Run a chain even when the rule has nothing to do (a flow run that ends caught up).",
+        ),
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Run one chain of RULE now through the deliver-rule flow (Prefect's local API, or PREFECT_API_URL).
 
-    Exit 0 when the chain is Completed (caught up, route closed, breaker open, superseded),
-    1 when it Failed (a rule fault) or was Cancelled (Ctrl-C, SIGTERM), 2 for an unknown rule."""
-    with read_only() as conn:
-        catalog.get_rule(conn, rule)
-    from flows.deliver_rule import run_now
+    A rule the tick would leave idle (enabled, no due retry, no change since its cursor, not
+    misconfigured) gets no chain and no flow run: it ends `nothing_to_do`, exit 0, without starting
+    Prefect; `--always` runs the chain anyway.
 
-    result = run_now(rule)
+    Exit 0 when the chain is Completed (caught up, route closed, breaker open, superseded, nothing to do),
+    1 when it Failed (a rule fault) or was Cancelled (Ctrl-C, SIGTERM), 2 for an unknown rule."""
+    from delivery.clock import utcnow
+    from delivery.tick import needs_chain
+
+    with read_only() as conn:
+        found = catalog.get_rule(conn, rule)
+        # The tick's own predicate; a disabled rule still gets its chain, which ends `disabled`.
+        idle = not always and found.enabled and not needs_chain(conn, found, utcnow())
+    if idle:
+        result = nothing_to_do(found)
+    else:
+        from flows.deliver_rule import run_now
+
+        result = run_now(rule)
     if as_json:
         print_json(result)
+    elif result["flow_run_id"] is None:
+        say(
+            f"[green]COMPLETED[/green] {escape(rule)}: {NOTHING_TO_DO} - {NOTHING_TO_DO_MESSAGE}; "
+            f"no flow run (--always runs one), cursor {json_cursor_text(result['cursor_after'])}",
+            markup=True,
+        )
     else:
         colour = "green" if result["state"] == "COMPLETED" else "red"
         say(
