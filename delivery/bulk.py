@@ -1,5 +1,7 @@
 """One job of a target whose writer offers batch verbs (`CreatesMany`, `UpdatesMany`), settled in
-groups: a `GroupedJob` whose unit of work is a window of records sent in one call per verb.
+groups: a `GroupedJob` whose unit of work is a window of records sent in one call per verb. A peer
+of `delivery.per_record.PerRecordJob` behind the `delivery.job.Job` protocol, given a `JobContext`;
+chosen where the writer offers batch verbs (`offers_batches`).
 
 A window is `max_items` candidates (at most the batch). Its worker checks, plans and commits its
 intents (as a grouped job does), then sends its creates in one `create_many` call and its updates in
@@ -15,20 +17,18 @@ neighbours (the halves spend no attempt; only the record finally refused alone d
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from delivery import policy
 from delivery.breaker import TargetBreaker
 from delivery.domain import Candidate, ChainEnd, Phase, Verb
 from delivery.errors import TargetUnavailable, Unauthorized
 from delivery.grouped import GroupedJob, _Settle
+from delivery.job import JobContext
 from delivery.settle import SettleGroups
 from delivery.step import NOT_SENT, Send, not_sent_end
 from delivery.workers import Cut, Signals
 from delivery.writers.base import BatchRefused, CreateItem, CreatesMany, UpdateItem, UpdatesMany, Writer
-
-if TYPE_CHECKING:
-    from delivery.chain import Chain
 
 
 def offers_batches(writer: Writer) -> bool:
@@ -38,10 +38,9 @@ def offers_batches(writer: Writer) -> bool:
 class BulkJob(GroupedJob):
     """A grouped job sending each window's creates and updates in one call per verb."""
 
-    def __init__(
-        self, chain: Chain, candidates: list[Candidate], lanes: list[TargetBreaker], phase: Phase, writer: Writer
-    ) -> None:
-        super().__init__(chain, candidates, lanes, phase)
+    def __init__(self, context: JobContext, candidates: list[Candidate], phase: Phase) -> None:
+        super().__init__(context, candidates, phase)
+        writer = context.writer
         assert isinstance(writer, (CreatesMany, UpdatesMany))  # `offers_batches`: chosen for it
         self.writer = writer
         self.window_size = max(1, writer.max_items)
@@ -101,7 +100,7 @@ class BulkJob(GroupedJob):
             end = not_sent_end(held)
             cut = None if end is None else Cut(end)
         self.sent.difference_update(i for i in indices if i not in got)  # never sent: intents go back
-        step = self.chain.step
+        step = self.context.step
         for i in indices:
             if i not in got:
                 continue
@@ -120,7 +119,7 @@ class BulkJob(GroupedJob):
     ) -> None:
         """One batch call for `indices`, its results put in `got`; a call refused as a whole is
         split in halves, each sent again, down to one item (whose refusal is then its own fault)."""
-        step, rule = self.chain.step, self.chain.rule
+        step, rule = self.context.step, self.context.rule
         items: list[Any] = []
         for i in indices:
             plan, row = self.plans[i], self.candidates[i].ledger
@@ -143,7 +142,7 @@ class BulkJob(GroupedJob):
             call = writer.update_many
         assert call is not None
         try:
-            results = step.call(breaker, self.chain.job_bounds(signals.stop), call, items)
+            results = step.call(breaker, self.context.bounds(signals.stop), call, items)
         except BatchRefused as refused:
             if len(indices) == 1:
                 got[indices[0]] = refused.as_record_fault()

@@ -6,8 +6,11 @@ of one record lands in that record's ledger row and the batch carries on. Nothin
 each record's outcome is its own ledger write, committed on its own or with others in a bounded group
 (the target connection's `settle`, see `delivery.settle`), and the cursor moves only when a batch
 concludes, after every outcome of the batch is committed.
-One record's check, plan and send are `delivery.step`'s; a job settled in groups is
-`delivery.grouped`'s; this module holds the chain's life and the job settled record by record.
+This module holds the chain's life: it opens and closes the chain, claims the rule and reads each
+job's page, builds the job's narrow context (`delivery.job.JobContext`) and chooses the job, in one
+place (`_job_type`): settled record by record (`delivery.per_record`), in groups
+(`delivery.grouped`), or in batch calls (`delivery.bulk`), peers behind the `delivery.job.Job`
+protocol that never import this module. One record's check, plan and send are `delivery.step`'s.
 The orchestration (one Prefect task per batch) lives in `flows/`; this module knows nothing of it.
 """
 
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -32,28 +34,26 @@ from delivery.domain import (
     ChainEnd,
     ChainReport,
     Cursor,
-    LedgerRow,
     LedgerStatus,
     LeftBehind,
     Phase,
     Rule,
     SettleMode,
-    Verb,
 )
 from delivery.errors import (
     MissingCredential,
     MissingWriter,
-    RuleFault,
     UnusableCredential,
 )
 from delivery.grouped import GroupedJob
+from delivery.job import Fence, Heartbeat, JobContext, JobType
+from delivery.per_record import PerRecordJob
 from delivery.redact import redact
 from delivery.settings import settings
-from delivery.step import RecordStep, Send
+from delivery.step import RecordStep
 from delivery.storable import storable_text
 from delivery.store import catalog, chains, ledger
-from delivery.traffic import JobBounds, TargetTraffic, TrafficListener
-from delivery.workers import Cut, Signals, work_through
+from delivery.traffic import TargetTraffic, TrafficListener
 from delivery.writers.base import SecretReader, Writer, accepts_concurrency, token_for, token_problem, token_source
 from delivery.writers.registry import writer_for
 
@@ -117,7 +117,7 @@ class Chain:
         self._lanes: list[TargetBreaker] = []
         self._secret: str | None = None
         self._secrets: SecretReader | None = None
-        self._beat_at = time.monotonic()
+        self._heartbeat = Heartbeat(self.token, clock, HEARTBEAT_SECONDS)
         #: Seconds waited for traffic by the chain's earlier `TargetTraffic`s (a rule saved mid-chain).
         self._waited_before = 0.0
 
@@ -231,11 +231,6 @@ class Chain:
             "job's deadline; the next tick resumes"
         )
 
-    def job_bounds(self, stop: Any) -> JobBounds:
-        """The bounds of the job in progress for a worker whose stop signal is `stop`."""
-        assert self._deadline is not None
-        return JobBounds(self._deadline, stop)
-
     def _paused_message(self, until: datetime) -> str:
         return (
             f"target {self.rule.target.name!r} is paused until {until.isoformat(timespec='seconds')} "
@@ -298,7 +293,7 @@ class Chain:
             # rule (taken over below, once this transaction has ended).
             saved = fresh if policy.rule_changed(rule, fresh) else None
             rule = saved or rule
-            self.heartbeat(conn, every=0)
+            self._heartbeat(conn, every=0)
             if phase is Phase.DRAIN:
                 candidates = ledger.drain_page(conn, rule, self.started_at, rule.batch_size)
             else:
@@ -339,7 +334,7 @@ class Chain:
                 if not chains.holds_fence(conn, rule.id, self.token):
                     return self._superseded(report, conn)
                 report.cursor_after = chains.move_cursor(conn, rule.id, highest)
-                self.heartbeat(conn, every=0)
+                self._heartbeat(conn, every=0)
         self.report.add(report)
         return report
 
@@ -372,11 +367,28 @@ class Chain:
             return bool(ledger.scan_page(conn, self.rule, self._scan_from, 1))
 
     def _work(self, candidates: list[Candidate], phase: Phase) -> tuple[list[LedgerStatus | None], ChainEnd | None]:
-        """Deliver and settle the candidates, `rule.concurrency` at a time (1: strictly in order).
-        Returns each candidate's settled status (None: not attempted) and how the batch was cut
-        short, if it was. The first exception stops every worker and is raised."""
-        assert self._breaker is not None and self._writer is not None
-        count = self.rule.concurrency if self._writer.thread_safe else 1
+        """Deliver and settle the candidates, `rule.concurrency` at a time (1: strictly in order), by
+        the job this chain chooses. Returns each candidate's settled status (None: not attempted)
+        and how the batch was cut short, if it was. The first exception stops every worker and is
+        raised."""
+        job = self._job_type()(self._job_context(), candidates, phase)
+        settled, cuts = job.run()
+        return settled, (ChainEnd.SUPERSEDED if ChainEnd.SUPERSEDED in cuts else (cuts[0] if cuts else None))
+
+    def _job_type(self) -> JobType:
+        """The one place a job's way is chosen: by the target's `settle`, and its writer's verbs."""
+        assert self._writer is not None
+        if self.rule.target.settle is SettleMode.GROUPED and offers_batches(self._writer):
+            return BulkJob
+        if self.rule.target.settle is SettleMode.GROUPED:
+            return GroupedJob
+        return PerRecordJob
+
+    def _job_context(self) -> JobContext:
+        """What the job in progress may use: its rule, step, writer, fence, clock, heartbeat,
+        deadline and workers' breakers."""
+        assert self._breaker is not None and self._writer is not None and self._deadline is not None
+        rule = self.rule
         lanes: list[TargetBreaker] = []
 
         def new_lane() -> TargetBreaker:
@@ -390,116 +402,19 @@ class Chain:
             lanes.append(lane)
             return lane
 
-        if self.rule.target.settle is SettleMode.GROUPED and offers_batches(self._writer):
-            settled, cuts = BulkJob(self, candidates, lanes, phase, self._writer).run(count, new_lane)
-        elif self.rule.target.settle is SettleMode.GROUPED:
-            settled, cuts = GroupedJob(self, candidates, lanes, phase).run(count, new_lane)
-        else:
-
-            def deliver_one(index: int, breaker: TargetBreaker, signals: Signals) -> LedgerStatus | Cut | None:
-                return self._one(candidates[index], phase, breaker, signals)
-
-            settled, cuts = work_through(len(candidates), count, new_lane, deliver_one)
-        return settled, (ChainEnd.SUPERSEDED if ChainEnd.SUPERSEDED in cuts else (cuts[0] if cuts else None))
-
-    def fenced_lanes(self, conn: sa.Connection, lanes: Sequence[TargetBreaker]) -> bool:
-        """The fence check, the breaker row read with it handed to every worker's breaker (from
-        this thread, while the workers call: each takes it only if it wrote nothing since)."""
-        lanes = list(lanes)
-        marks = [lane.storage.write_mark for lane in lanes]
-        held, breaker_row = chains.holds_fence_for_settle(conn, self.rule.id, self.token, self.rule.target.id)
-        for lane, mark in zip(lanes, marks, strict=True):
-            breaker_row = lane.observe(conn, breaker_row, mark)
-        return held
-
-    # -- one record, settled on its own ---------------------------------------------------------
-
-    def _one(
-        self, candidate: Candidate, phase: Phase, breaker: TargetBreaker, signals: Signals
-    ) -> LedgerStatus | Cut | None:
-        """One record: check, decide, (record a create's intent,) send, settle. Returns the status
-        it settled, None when it was left alone (the job ended first, or a requeue owns the row
-        now), or a cut saying how the batch must end (breaker open, superseded)."""
-        self.step.check(candidate, phase)
-        plan = self.step.plan(candidate)
-        intent: LedgerRow | None = None
-        if isinstance(plan, Send):
-            with self.engine.begin() as conn:
-                if not self._fenced(conn, breaker):
-                    return Cut(ChainEnd.SUPERSEDED)
-                if signals.stop.is_set():
-                    return None
-                intent = self.write_intent(conn, candidate, plan)
-            if intent is None:
-                self.left_to_requeue(candidate, "meanwhile")
-                return None
-        try:
-            done = self.step.carry_out(candidate, plan, intent, breaker, self.job_bounds(signals.stop))
-        except RuleFault:
-            # Raised before anything was applied (a refused token, a verb the writer lacks): the
-            # intent goes back, so the fault writes nothing.
-            self._withdraw(candidate, intent)
-            raise
-        if done is None or isinstance(done, ChainEnd):
-            self._withdraw(candidate, intent)  # nothing went out
-            return None if done is None else Cut(done)
-        candidate, outcome = done
-        if signals.over.is_set():
-            # The job has ended (timeout, cancellation): nothing settles after it. The intent
-            # stays: the next chain repeats a create under the same key, and sends an update whatever
-            # its body, the row being in doubt. (A batch
-            # merely cut short, by the breaker or another worker's fault, still settles the
-            # answers of the calls in flight.)
-            return None
-        # A checkout per record, not a connection held for the batch: no connection waits
-        # through HTTP calls, and the pool's pre-ping guards every settle.
-        with self.engine.begin() as conn:
-            if not self._fenced(conn, breaker):
-                return Cut(ChainEnd.SUPERSEDED)
-            if not ledger.settle(conn, self.rule, candidate, outcome, self.clock()):
-                self.left_to_requeue(candidate, "while it was being sent")
-                return None
-            self.heartbeat(conn)
-        return outcome.status
-
-    def write_intent(self, conn: sa.Connection, candidate: Candidate, plan: Send) -> LedgerRow | None:
-        """What the ledger must say before `plan` goes out (see `ledger.record_create_intent` and
-        `ledger.record_update_intents`): the row as it now stands, or None when a requeue took it."""
-        if plan.verb is Verb.CREATE:
-            return ledger.record_create_intent(
-                conn, self.rule, candidate, plan.digest, self.clock(), follow_up=plan.follow_up
-            )
-        assert candidate.ledger is not None  # an update has a row holding the remote id
-        return ledger.record_update_intents(conn, [candidate.ledger])[0]
-
-    def _withdraw(self, candidate: Candidate, intent: LedgerRow | None) -> None:
-        if intent is not None and intent != candidate.ledger:
-            with self.engine.begin() as conn:
-                ledger.withdraw_intent(conn, candidate.ledger, intent)
-
-    def left_to_requeue(self, candidate: Candidate, when: str) -> None:
-        """A row whose version moved since the page was read: a requeue wrote it, and it stands."""
-        log.warning(
-            "rule %s: record %s was requeued %s; the requeue stands",
-            self.rule.name,
-            candidate.record.external_id,
-            when,
+        return JobContext(
+            engine=self.engine,
+            rule=rule,
+            step=self.step,
+            writer=self._writer,
+            clock=self.clock,
+            fence=Fence(rule.id, self.token, rule.target.id),
+            heartbeat=self._heartbeat,
+            deadline=self._deadline,
+            workers=rule.concurrency if self._writer.thread_safe else 1,
+            new_lane=new_lane,
+            lanes=lanes,
         )
-
-    def _fenced(self, conn: sa.Connection, breaker: TargetBreaker) -> bool:
-        """The fence check before a write, reading the target's breaker row in the same statement."""
-        held, breaker_row = chains.holds_fence_for_settle(conn, self.rule.id, self.token, self.rule.target.id)
-        breaker.observe(conn, breaker_row)
-        return held
-
-    def heartbeat(self, conn: sa.Connection, *, every: float | None = None) -> None:
-        """The chain's heartbeat, written with a settle at most every `HEARTBEAT_SECONDS`: the tick
-        and the lock's dead-holder check judge in minutes, and a write per record would make the
-        one chain row every worker's settle updates a queue of its own."""
-        now = time.monotonic()
-        if now - self._beat_at >= (HEARTBEAT_SECONDS if every is None else every):
-            self._beat_at = now
-            chains.heartbeat(conn, self.token, self.clock())
 
     def _superseded(self, report: BatchReport, conn: sa.Connection | None = None) -> BatchReport:
         """End the batch superseded; `conn`: the transaction the fence was found closed in, if open

@@ -3,7 +3,9 @@
 The workers send; a thread of the job's own commits their outcomes in groups. The batch is taken in
 windows of `GROUP_RECORDS` candidates: a window is checked, planned and its creates' intents
 committed (one transaction) by the first worker to reach it, before any of its records is sent, so a
-conflicting ledger row is still found before any request.
+conflicting ledger row is still found before any request. A peer of
+`delivery.per_record.PerRecordJob` behind the `delivery.job.Job` protocol (`delivery.bulk.BulkJob`
+builds on it), given a `JobContext`.
 """
 
 from __future__ import annotations
@@ -11,19 +13,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from delivery.breaker import TargetBreaker
 from delivery.domain import Candidate, ChainEnd, LedgerRow, LedgerStatus, Outcome, Phase, Verb
 from delivery.errors import LedgerRowConflict, RuleFault
+from delivery.job import JobContext, Settled
 from delivery.settle import GROUP_RECORDS, SettleGroups
 from delivery.step import Send
 from delivery.store import ledger
 from delivery.workers import Cut, Signals, work_through
-
-if TYPE_CHECKING:
-    from delivery.chain import Chain
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +39,12 @@ class _Settle:
 class GroupedJob:
     """What the workers of one grouped job share, and how they deliver the batch."""
 
-    def __init__(self, chain: Chain, candidates: list[Candidate], lanes: list[TargetBreaker], phase: Phase) -> None:
-        self.chain = chain
+    def __init__(self, context: JobContext, candidates: list[Candidate], phase: Phase) -> None:
+        self.context = context
         self.candidates = candidates
-        self.lanes = lanes
         self.phase = phase
         self.plans: dict[int, Outcome | Send] = {}
-        #: A write's intent row (`Chain.write_intent`), by index; None where a requeue took the row first.
+        #: A write's intent row (`JobContext.write_intent`), by index; None where a requeue took the row first.
         self.intents: dict[int, LedgerRow | None] = {}
         #: Indices whose request may have gone out: their intents stay whatever happens next.
         self.sent: set[int] = set()
@@ -57,8 +55,8 @@ class GroupedJob:
         #: Candidates per window (see the module's docstring).
         self.window_size = GROUP_RECORDS
 
-    def run(self, count: int, new_lane: Callable[[], TargetBreaker]) -> tuple[list[LedgerStatus | None], list[Any]]:
-        """Deliver the batch with `count` workers. Returns each candidate's settled status (None:
+    def run(self) -> Settled:
+        """Deliver the batch with `context.workers` workers. Returns each candidate's settled status (None:
         not attempted) and the cuts that ended it early. A fault raised by one record (a rule
         fault, a writer's bug) still commits the outcomes gathered before it (nothing is rolled
         back); a job interrupted (a timeout, a cancellation) commits no outcome more, and its
@@ -84,7 +82,9 @@ class GroupedJob:
             try:
                 # Pooled even for one worker: an exception from a step is then a fault of the job
                 # (its gathered outcomes are committed), one raised into this thread an interruption.
-                _, cuts = work_through(self._units(), count, new_lane, step, signals, pooled=True)
+                _, cuts = work_through(
+                    self._units(), self.context.workers, self.context.new_lane, step, signals, pooled=True
+                )
             except BaseException as exc:
                 if signals.over.is_set():
                     raise  # a timeout or cancellation: the job has ended
@@ -97,7 +97,7 @@ class GroupedJob:
             raise
         error = fault or groups.error
         if fault is not None and groups.error is not None:
-            log.error("rule %s: outcomes could not be committed: %r", self.chain.rule.name, groups.error)
+            log.error("rule %s: outcomes could not be committed: %r", self.context.rule.name, groups.error)
         if not self.superseded:
             # A create never sent must not read as sent.
             if error is None:
@@ -136,11 +136,11 @@ class GroupedJob:
                 return None  # the batch is cut short: no call starts after that
             intent = self.intents[index]
             if intent is None:
-                self.chain.left_to_requeue(candidate, "meanwhile")
+                self.context.left_to_requeue(candidate, "meanwhile")
                 return None
             self.sent.add(index)
         try:
-            done = self.chain.step.carry_out(candidate, plan, intent, breaker, self.chain.job_bounds(signals.stop))
+            done = self.context.step.carry_out(candidate, plan, intent, breaker, self.context.bounds(signals.stop))
         except RuleFault:
             # Raised before anything was applied (a refused token, a verb the writer lacks): its
             # intent goes back, so the fault writes nothing.
@@ -159,7 +159,7 @@ class GroupedJob:
         """Check and plan a window's candidates, and commit their intents (creates' keys and
         bodies, updates' doubt) in one transaction: a conflicting ledger row is found here, before
         any of them is sent."""
-        chain, step = self.chain, self.chain.step
+        context, step = self.context, self.context.step
         indices = self.window(window)
         creates: list[int] = []
         updates: list[int] = []
@@ -170,14 +170,14 @@ class GroupedJob:
                 (creates if plan.verb is Verb.CREATE else updates).append(i)
         if creates or updates:
             intents: dict[int, LedgerRow | None] = {}
-            with chain.engine.begin() as conn:
-                if not chain.fenced_lanes(conn, self.lanes):
+            with context.engine.begin() as conn:
+                if not context.fenced_lanes(conn):
                     self.superseded = True
                     return
                 for i in creates:
                     plan = self.plans[i]
                     assert isinstance(plan, Send)
-                    intents[i] = chain.write_intent(conn, self.candidates[i], plan)
+                    intents[i] = context.write_intent(conn, self.candidates[i], plan)
                 # One statement for the updates' doubt: a window may hold fifty of them.
                 rows = [self.candidates[i].ledger for i in updates]
                 marked = ledger.record_update_intents(conn, [row for row in rows if row is not None])
@@ -208,19 +208,19 @@ class GroupedJob:
         raise first
 
     def _settle_together(self, group: list[_Settle]) -> bool:
-        chain = self.chain
-        with chain.engine.begin() as conn:
-            if not chain.fenced_lanes(conn, self.lanes):
+        context = self.context
+        with context.engine.begin() as conn:
+            if not context.fenced_lanes(conn):
                 return False
-            now = chain.clock()
+            now = context.clock()
             settled: dict[int, LedgerStatus | None] = {}
             for item in group:
-                if ledger.settle(conn, chain.rule, item.candidate, item.outcome, now):
+                if ledger.settle(conn, context.rule, item.candidate, item.outcome, now):
                     settled[item.index] = item.outcome.status
                 else:
                     settled[item.index] = None
-                    chain.left_to_requeue(item.candidate, "while it was being sent")
-            chain.heartbeat(conn)
+                    context.left_to_requeue(item.candidate, "while it was being sent")
+            context.heartbeat(conn)
         self.statuses.update(settled)
         return True
 
@@ -229,7 +229,7 @@ class GroupedJob:
         try:
             self._withdraw_unsent()
         except Exception:
-            log.exception("rule %s: could not take back the intents of writes never sent", self.chain.rule.name)
+            log.exception("rule %s: could not take back the intents of writes never sent", self.context.rule.name)
 
     def _withdraw_unsent(self) -> None:
         """Take back the intents of writes the batch never sent (it was cut short)."""
@@ -240,9 +240,9 @@ class GroupedJob:
         ]
         if not unsent:
             return
-        chain = self.chain
-        with chain.engine.begin() as conn:
-            if not chain.fenced_lanes(conn, self.lanes):
+        context = self.context
+        with context.engine.begin() as conn:
+            if not context.fenced_lanes(conn):
                 return
             for i, row in unsent:
                 ledger.withdraw_intent(conn, self.candidates[i].ledger, row)

@@ -1,8 +1,9 @@
 """One record's step, decided and sent: is it a candidate at all, what to do with it (an outcome
 reached without writing, or the write to make), and the write itself with where its fault goes.
 
-No database here: the chain records intents and settles outcomes around these calls, on its own
-(`delivery.chain`) or in groups (`delivery.grouped`).
+No database here: the job records intents and settles outcomes around these calls, record by
+record (`delivery.per_record`), in groups (`delivery.grouped`) or after batch calls
+(`delivery.bulk`); see `delivery.job`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,145 @@
+"""One job of a chain, and the narrow context every job is given.
+
+A job is a page of candidates delivered and settled. Its ways are peers behind one small protocol
+(`Job`): settled record by record (`delivery.per_record.PerRecordJob`), in groups
+(`delivery.grouped.GroupedJob`), or sent in batch calls and settled in groups
+(`delivery.bulk.BulkJob`). The chain (`delivery.chain`) opens and closes, claims the rule, reads the
+page, builds the job's `JobContext` and chooses the job, in one place; a job sees only its context
+(the fence, the clock, the heartbeat, the rule, the step and its writer, the workers' breakers, the
+job's deadline) and never the chain: no job module imports `delivery.chain`, and an import-linter
+contract in `pyproject.toml` keeps it so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any, Protocol
+
+import sqlalchemy as sa
+
+from delivery.breaker import TargetBreaker
+from delivery.domain import Candidate, LedgerRow, LedgerStatus, Phase, Rule, Verb
+from delivery.step import RecordStep, Send
+from delivery.store import chains, ledger
+from delivery.traffic import JobBounds
+from delivery.writers.base import Writer
+
+log = logging.getLogger(__name__)
+
+#: What a job returns: each candidate's settled status (None: not attempted), and the reasons
+#: (`ChainEnd`s) of the cuts that ended it early.
+Settled = tuple[list[LedgerStatus | None], list[Any]]
+
+
+class Job(Protocol):
+    """One job: its candidates delivered and settled, `context.workers` at a time. An exception
+    leaves the job at once (nothing is rolled back); however it ends, no worker of the job still
+    runs when `run` returns or raises."""
+
+    def run(self) -> Settled: ...
+
+
+#: How a job is made: the chain chooses one (a class implementing `Job`) per job.
+JobType = Callable[["JobContext", list[Candidate], Phase], Job]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fence:
+    """The chain's hold on its rule (its token), checked in the transaction of every write, with
+    the target's breaker row read in the same statement."""
+
+    rule_id: int
+    token: str
+    target_id: int
+
+    def held(self, conn: sa.Connection, breaker: TargetBreaker) -> bool:
+        """The fence check before a worker's own write, its breaker taking the row read with it."""
+        held, breaker_row = chains.holds_fence_for_settle(conn, self.rule_id, self.token, self.target_id)
+        breaker.observe(conn, breaker_row)
+        return held
+
+    def held_for(self, conn: sa.Connection, lanes: Sequence[TargetBreaker]) -> bool:
+        """The fence check, the breaker row read with it handed to every worker's breaker (from
+        this thread, while the workers call: each takes it only if it wrote nothing since)."""
+        lanes = list(lanes)
+        marks = [lane.storage.write_mark for lane in lanes]
+        held, breaker_row = chains.holds_fence_for_settle(conn, self.rule_id, self.token, self.target_id)
+        for lane, mark in zip(lanes, marks, strict=True):
+            breaker_row = lane.observe(conn, breaker_row, mark)
+        return held
+
+
+class Heartbeat:
+    """The chain's heartbeat, written with a settle at most every `every` seconds: the tick and the
+    lock's dead-holder check judge in minutes, and a write per record would make the one chain row
+    every worker's settle updates a queue of its own."""
+
+    def __init__(self, token: str, clock: Callable[[], datetime], every: float) -> None:
+        self._token = token
+        self._clock = clock
+        self._every = every
+        self._beat_at = time.monotonic()
+
+    def __call__(self, conn: sa.Connection, *, every: float | None = None) -> None:
+        """Beat in `conn` if the last beat is `every` seconds old (by default the heartbeat's own)."""
+        now = time.monotonic()
+        if now - self._beat_at >= (self._every if every is None else every):
+            self._beat_at = now
+            chains.heartbeat(conn, self._token, self._clock())
+
+
+@dataclasses.dataclass(frozen=True)
+class JobContext:
+    """What a job may use, and nothing that is the chain itself."""
+
+    #: The delivery database: a checkout per write, none held through an HTTP call.
+    engine: sa.Engine
+    #: The rule as this job delivers it (a rule saved mid-chain counts from the job after).
+    rule: Rule
+    #: Check, plan and send one record (it holds the writer and the target's traffic control).
+    step: RecordStep
+    #: The step's writer, for a job that calls its batch verbs.
+    writer: Writer
+    clock: Callable[[], datetime]
+    fence: Fence
+    heartbeat: Heartbeat
+    #: The latest the job may still make a request (see `bounds`).
+    deadline: datetime
+    #: How many workers write at once (1: strictly in order).
+    workers: int
+    #: A breaker for one more worker (each worker has its own; they share one state through the
+    #: database), and the ones this job's workers took so far, in the order taken.
+    new_lane: Callable[[], TargetBreaker]
+    lanes: list[TargetBreaker]
+
+    def bounds(self, stop: threading.Event) -> JobBounds:
+        """The job's bounds for a worker whose stop signal is `stop`."""
+        return JobBounds(self.deadline, stop)
+
+    def fenced_lanes(self, conn: sa.Connection) -> bool:
+        """The fence check for a write made for all the job's workers (see `Fence.held_for`)."""
+        return self.fence.held_for(conn, self.lanes)
+
+    def write_intent(self, conn: sa.Connection, candidate: Candidate, plan: Send) -> LedgerRow | None:
+        """What the ledger must say before `plan` goes out (see `ledger.record_create_intent` and
+        `ledger.record_update_intents`): the row as it now stands, or None when a requeue took it."""
+        if plan.verb is Verb.CREATE:
+            return ledger.record_create_intent(
+                conn, self.rule, candidate, plan.digest, self.clock(), follow_up=plan.follow_up
+            )
+        assert candidate.ledger is not None  # an update has a row holding the remote id
+        return ledger.record_update_intents(conn, [candidate.ledger])[0]
+
+    def left_to_requeue(self, candidate: Candidate, when: str) -> None:
+        """A row whose version moved since the page was read: a requeue wrote it, and it stands."""
+        log.warning(
+            "rule %s: record %s was requeued %s; the requeue stands",
+            self.rule.name,
+            candidate.record.external_id,
+            when,
+        )
