@@ -9,9 +9,10 @@ One exception: until the command has started anything (a server, a runner), ther
 stop, and the process may be deep in imports that take seconds. A signal then ends the process on
 the spot, with exit 0.
 
-Prefect-free and cheap to import on purpose: `flows.cli` imports this module before its other
-imports, and importing it on a `delivery serve` command line takes the signals over at once, so
-that a signal during start-up is a stop too.
+Prefect-free and cheap to import on purpose: the `delivery` console script (`flows.console.main`)
+calls `claim_if_serving` before it imports the command line, so that on `delivery serve` a signal
+during start-up is a stop too. Importing this module installs nothing: a handler is installed only
+by `claim`, when a command starts.
 """
 
 from __future__ import annotations
@@ -114,6 +115,3 @@ def claim_if_serving(argv: list[str]) -> None:
     """Take the stop signals over at once when the command line is `delivery serve`."""
     if argv[1:2] == ["serve"] and os.path.basename(argv[0]) in ("delivery", "cli.py"):
         claim()
-
-
-claim_if_serving(sys.argv)
