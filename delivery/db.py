@@ -16,6 +16,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 from delivery.errors import DeliveryError, InputError
+from delivery.package_data import package_data
 from delivery.settings import Settings, env_name, settings
 
 DATABASE_URL_ENV = env_name("database_url")
@@ -148,11 +149,8 @@ def check_connection(engine: sa.Engine, origin: str = DATABASE_URL_ENV) -> None:
 
 
 def migrations_dir() -> Path:
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "_migrations", here.parent / "migrations"):
-        if (candidate / "env.py").exists():
-            return candidate
-    raise RuntimeError("the Alembic migrations directory was not found next to the delivery package")
+    """The Alembic scripts: `delivery/_migrations` in a wheel, `migrations/` in a checkout."""
+    return package_data("delivery", "_migrations", "migrations")
 
 
 def alembic_config(engine: sa.Engine) -> Config:

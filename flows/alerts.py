@@ -29,10 +29,10 @@ from prefect.exceptions import ObjectNotFound
 from pydantic import ValidationError
 
 from delivery.errors import InputError
+from delivery.package_data import package_data
 
-#: The automation files of this checkout (found beside the `flows` package: run from the checkout
-#: or an editable install, as prefect.yaml's deployments are).
-AUTOMATIONS_DIR = Path(__file__).resolve().parents[1] / "automations"
+#: The automation files: `flows/automations` in an installed wheel, `automations/` in a checkout.
+AUTOMATIONS_DIR = package_data("flows", "automations", "automations")
 
 #: The file of the "no tick completed" alert, whose window `--tick-missing-minutes` sets.
 TICK_MISSING_FILE = "tick-missing.yaml"
