@@ -1,6 +1,7 @@
 """`delivery sandbox`: a small but real REST target to deliver to, for demos and trying rules out.
 
-It speaks exactly the contract of the built-in `rest` driver (DESIGN.md §8), so a connection with
+It speaks exactly the contract of the built-in `rest` driver (`delivery/writers/rest.py` states it;
+the README's "Batch endpoints" gives the batch calls' format), so a connection with
 `driver: rest` and `base_url: http://127.0.0.1:8900/api` works against it unchanged:
 
     POST   /api/{collection}        JSON object -> 201 with the stored record and its string "id";
