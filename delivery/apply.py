@@ -1,6 +1,6 @@
 """`delivery apply`: check a configuration against what is saved, then save it.
 
-The save-time checks (CFX-217: every rule's target has a writer offering the verbs its policy
+The save-time checks (ADR-0030, CFX-217: every rule's target has a writer offering the verbs its policy
 needs, saved rules included) need the writer registry; the store does not know it, so they run
 here, before the store is asked to save, in the caller's transaction."""
 

@@ -1,5 +1,5 @@
 """The configuration file (`delivery apply CONFIG.yaml`): its shape, and every check that happens
-before anything is written. Save-time validation (CFX-217) lives here: a rule whose target driver
+before anything is written. Save-time validation (ADR-0030, CFX-217) lives here: a rule whose target driver
 has no writer, or whose policy needs a verb the writer's type lacks, is refused."""
 
 from __future__ import annotations

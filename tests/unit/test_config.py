@@ -1,5 +1,5 @@
 """The configuration file: its shape (parse_config/load_config) and the save-time cross-checks
-(check_rules, CFX-217)."""
+(check_rules, ADR-0030)."""
 
 from __future__ import annotations
 
