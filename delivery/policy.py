@@ -32,7 +32,8 @@ from delivery.errors import (
     UnsendablePayload,
 )
 
-#: Retry-After values beyond this are treated as this: one day (the issue's cap).
+#: Retry-After values beyond this are treated as this: one day, so no answer can hold a record back
+#: longer (a mistaken date would otherwise keep it unsent for years, unseen).
 RETRY_AFTER_CAP_SECONDS = 86_400
 
 

@@ -44,13 +44,13 @@ BatchTimeoutSeconds = Annotated[float, Field(ge=1, le=86_400, allow_inf_nan=Fals
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
-        # Exactly the upper-case names, as before: `delivery_database_url` is not ours.
+        # Only the upper-case names: `delivery_database_url` is someone else's variable, not ours.
         case_sensitive=True,
         # Each field's alias is its full variable name (env_prefix alone would not be upper case
         # once case-sensitive); it also makes a validation error name the variable.
         alias_generator=AliasGenerator(validation_alias=env_name),
         populate_by_name=True,
-        # A variable set to "" means unset, as it always did.
+        # A variable set to "" means unset: `DELIVERY_X= delivery ...` is how a shell clears one.
         env_ignore_empty=True,
         frozen=True,
     )
