@@ -50,20 +50,26 @@ def _python(body: str, env: dict[str, str] | None = None) -> subprocess.Complete
 
 
 def _main(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`delivery ARGS` as the console script runs it (flows.cli:main), under the guard."""
+    """`delivery ARGS` as the console script runs it (its installed entry point), under the guard."""
     return _python(
         f"""
+        from importlib.metadata import entry_points
+
+        [script] = entry_points(group="console_scripts", name="delivery")
         sys.argv = ["delivery", *{list(args)!r}]
-        from flows.cli import main
-        main()
+        sys.exit(script.load()())
         """,
         env,
     )
 
 
-def test_importing_every_command_module_loads_nothing_heavy() -> None:
+def test_importing_the_entry_module_and_every_command_module_loads_nothing_heavy() -> None:
     proc = _python(
         """
+        from importlib.metadata import entry_points
+
+        [script] = entry_points(group="console_scripts", name="delivery")
+        script.load()
         import flows.cli
         import flows.cli.configure, flows.cli.output, flows.cli.preview, flows.cli.records
         import flows.cli.runs, flows.cli.services
