@@ -248,8 +248,9 @@ class Chain:
     # -- one job -------------------------------------------------------------------------------
 
     def run_batch(self, phase: Phase) -> BatchReport:
-        """One job: a page of candidates, each delivered and settled on its own. An exception
-        leaves the batch (and the chain) at once, and the cursor where it was."""
+        """One job: a page of candidates, read under the lock, then delivered and settled by the job
+        chosen for the target (`_job_type`). An exception leaves the batch (and the chain) at once,
+        and the cursor where it was."""
         if self._writer is None or self._breaker is None:
             raise RuntimeError("run_batch() before a successful open()")
         report = BatchReport(phase)
