@@ -14,11 +14,14 @@ reports for it once it is reaped (user + system, children's rusage: its own chil
 * `delivery run RULE` with `--records` changes to deliver (a real chain), once; it is also what
   catches the rule up before the empty runs.
 
+`--baseline DIR` measures another checkout of the repository side by side (DIR put first on
+PYTHONPATH; `git worktree add /tmp/base COMMIT`), in turns with this one, run by run, so that both
+meet the same load: a checkout whose `delivery run` has no `--always` runs a chain on every run.
+
 Prints a markdown table (progress to stderr) and writes JSON (default bench/results/cli.json).
-Exits 1 when a measurement went wrong (a command failed, an empty run created a flow run, the
-chain did not deliver every record); the goal (an empty run <= 1 s wall) not met is reported, not
-a failure. `--source DIR` runs the commands from another checkout of the repository (put first on
-PYTHONPATH), to measure a version side by side: `git worktree add /tmp/before COMMIT`.
+Exits 1 when a measurement went wrong (a command failed, an empty run of this checkout created a
+flow run, a chain did not deliver every record); the goal (an empty run <= 1 s wall) not met is
+reported, not a failure.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ from delivery.store.mirror import load_records
 
 DEFAULT_JSON = Path("bench/results/cli.json")
 DELIVERY = str(Path(sys.executable).with_name("delivery"))
+#: The console script of a checkout older than flows/console.py (`delivery = "flows.cli:main"`).
+OLD_SCRIPT = [sys.executable, "-c", "import sys; from flows.cli import main; sys.exit(main())"]
 RULE = "cli-bench"
 SOURCE = "cli-bench-source"
 #: The issue's goal: an empty `delivery run` against a running server.
@@ -71,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=10, help="runs of --help and of the empty run (default 10)")
     parser.add_argument("--always-runs", type=int, default=3, help="runs of `run --always` (default 3)")
     parser.add_argument("--records", type=int, default=20, help="changes the non-empty run delivers (default 20)")
-    parser.add_argument("--source", type=Path, help="run the commands from this checkout (first on PYTHONPATH)")
+    parser.add_argument(
+        "--baseline", type=Path, help="another checkout to measure side by side, in turns (put first on PYTHONPATH)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.runs, args.always_runs = 5, 1
@@ -110,53 +117,83 @@ def _start_server(stack: PrefectStack, timeout: float = 180.0) -> None:
 
 
 class Runner:
-    """Runs `delivery ARGS` as a subprocess and measures it."""
+    """Runs `delivery ARGS` of one checkout as a subprocess and measures it."""
 
-    def __init__(self, env: dict[str, str], cwd: Path) -> None:
+    def __init__(self, name: str, env: dict[str, str], cwd: Path, command: list[str] | None = None) -> None:
+        self.name = name
         self.env = env
         self.cwd = cwd
+        self.command = command or [DELIVERY]
+        self.has_always = "--always" in self("run", "--help")[0].stdout
 
     def __call__(self, *args: str) -> tuple[subprocess.CompletedProcess[str], float, float]:
         """The finished process, its wall seconds and its CPU seconds (user + system)."""
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         proc = subprocess.run(
-            [DELIVERY, *args], cwd=self.cwd, env=self.env, capture_output=True, text=True, timeout=300, check=False
+            [*self.command, *args], cwd=self.cwd, env=self.env, capture_output=True, text=True, timeout=300, check=False
         )
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"{self.name}: delivery {' '.join(args)}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+            )
         return proc, wall, cpu
 
-    def measure(self, label: str, args: list[str], runs: int, check: Any = None) -> dict[str, Any]:
-        """`runs` runs of `delivery ARGS`; each must exit 0 (and pass `check(proc)`)."""
-        walls: list[float] = []
-        cpus: list[float] = []
-        for _ in range(runs):
-            proc, wall, cpu = self(*args)
-            if proc.returncode != 0:
-                raise RuntimeError(f"delivery {' '.join(args)}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-            if check is not None:
-                check(proc)
-            walls.append(wall)
-            cpus.append(cpu)
-        entry = {
-            "command": label,
-            "runs": runs,
-            "wall_s_median": round(statistics.median(walls), 3),
-            "wall_s_max": round(max(walls), 3),
-            "cpu_s_median": round(statistics.median(cpus), 3),
-            "cpu_s_max": round(max(cpus), 3),
-            "wall_s": [round(w, 3) for w in walls],
-            "cpu_s": [round(c, 3) for c in cpus],
-        }
-        log(f"{label}: wall median {entry['wall_s_median']} s, max {entry['wall_s_max']} s")
-        return entry
+
+def _ended(proc: subprocess.CompletedProcess[str], ended_by: str, delivered: int = 0) -> None:
+    result = json.loads(proc.stdout)
+    if result["ended_by"] != ended_by or result["counts"]["delivered"] != delivered:
+        raise RuntimeError(f"expected {ended_by} with {delivered} delivered, got {proc.stdout}")
+
+
+class Rows:
+    """Samples per (command, checkout), taken in turns so that every checkout meets the same load."""
+
+    def __init__(self, stack: PrefectStack) -> None:
+        self.stack = stack
+        self.rows: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def sample(self, label: str, runner: Runner, args: list[str], check: Any = None) -> None:
+        flow_runs = self.stack.count_flow_runs()
+        proc, wall, cpu = runner(*args)
+        if check is not None:
+            check(proc)
+        row = self.rows.setdefault(
+            (label, runner.name), {"command": label, "checkout": runner.name, "wall_s": [], "cpu_s": [], "flow_runs": 0}
+        )
+        row["wall_s"].append(round(wall, 3))
+        row["cpu_s"].append(round(cpu, 3))
+        row["flow_runs"] += self.stack.count_flow_runs() - flow_runs
+
+    def done(self) -> list[dict[str, Any]]:
+        out = []
+        for row in self.rows.values():
+            walls, cpus = row["wall_s"], row["cpu_s"]
+            row.update(
+                runs=len(walls),
+                wall_s_median=round(statistics.median(walls), 3),
+                wall_s_max=round(max(walls), 3),
+                cpu_s_median=round(statistics.median(cpus), 3),
+                cpu_s_max=round(max(cpus), 3),
+            )
+            log(
+                f"{row['command']} [{row['checkout']}]: wall median {row['wall_s_median']} s, max {row['wall_s_max']} s"
+            )
+            out.append(row)
+        return out
 
 
 def _load(count: int, prefix: str) -> None:
     with db.shared_engine().begin() as conn:
         load_records(conn, SOURCE, mirror.DOMAIN, [MirrorInput(i, p) for i, p in records(prefix, count)])
+
+
+HELP = "`delivery --help`"
+EMPTY = "`delivery run RULE` (nothing to do)"
+ALWAYS = "`delivery run RULE --always` (a chain that finds nothing)"
 
 
 def measure(stack: PrefectStack, sandbox: SandboxProcess, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -165,65 +202,47 @@ def measure(stack: PrefectStack, sandbox: SandboxProcess, workdir: Path, args: a
     db.upgrade(engine)
     apply(engine, sandbox, SOURCE, [rule_entry(RULE, SOURCE, "contacts", batch=50, concurrency=1)])
     env = stack.env(DELIVERY_DATABASE_URL=url, COLUMNS="120")
-    if args.source:
-        env["PYTHONPATH"] = os.pathsep.join([str(args.source.resolve()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    run = Runner(env, workdir)
+    runners = [Runner("this checkout", env, workdir)]
+    if args.baseline:
+        python_path = os.pathsep.join(filter(None, [str(args.baseline.resolve()), env.get("PYTHONPATH")]))
+        # A checkout older than flows/console.py had the console script run flows.cli:main itself.
+        script = None if (args.baseline / "flows" / "console.py").exists() else OLD_SCRIPT
+        runners.append(Runner(f"baseline {args.baseline.name}", {**env, "PYTHONPATH": python_path}, workdir, script))
+    rows = Rows(stack)
+    changes = f"`delivery run RULE` ({args.records} changes)"
 
-    def ended(ended_by: str, delivered: int = 0) -> Any:
-        def check(proc: subprocess.CompletedProcess[str]) -> None:
-            result = json.loads(proc.stdout)
-            if result["ended_by"] != ended_by or result["counts"]["delivered"] != delivered:
-                raise RuntimeError(f"expected {ended_by} with {delivered} delivered, got {proc.stdout}")
-
-        return check
-
-    has_always = "--always" in run("run", "--help")[0].stdout
-    if not has_always:
-        log("this checkout's `delivery run` has no --always: its empty run is a chain")
-
-    # The non-empty run first: it is also what catches the rule up.
-    _load(args.records, "r")
-    runs_before = stack.count_flow_runs()
-    first = run.measure(
-        f"`delivery run RULE` ({args.records} changes)", ["run", RULE, "--json"], 1, ended("caught_up", args.records)
-    )
-    first["flow_runs"] = stack.count_flow_runs() - runs_before
-
-    help_row = run.measure("`delivery --help`", ["--help"], args.runs)
-    help_row["flow_runs"] = 0
-
-    runs_before = stack.count_flow_runs()
-    empty = run.measure(
-        "`delivery run RULE` (nothing to do)",
-        ["run", RULE, "--json"],
-        args.runs,
-        ended("nothing_to_do" if has_always else "caught_up"),
-    )
-    empty["flow_runs"] = stack.count_flow_runs() - runs_before
-    if has_always and empty["flow_runs"]:
+    # A run with changes per checkout, each on changes of its own: it is also what catches the rule up.
+    for number, runner in enumerate(runners):
+        _load(args.records, f"r{number}")
+        rows.sample(changes, runner, ["run", RULE, "--json"], lambda p: _ended(p, "caught_up", args.records))
+    for _ in range(args.runs):
+        for runner in runners:
+            rows.sample(HELP, runner, ["--help"])
+    for _ in range(args.runs):
+        for runner in runners:
+            # A checkout without the check runs a chain, which finds nothing.
+            ended_by = "nothing_to_do" if runner.has_always else "caught_up"
+            rows.sample(EMPTY, runner, ["run", RULE, "--json"], lambda p, e=ended_by: _ended(p, e))
+    for _ in range(args.always_runs):
+        for runner in runners:
+            if runner.has_always:
+                rows.sample(ALWAYS, runner, ["run", RULE, "--always", "--json"], lambda p: _ended(p, "caught_up"))
+    done = rows.done()
+    order = [HELP, EMPTY, ALWAYS, changes]
+    done.sort(key=lambda row: order.index(row["command"]))
+    [empty] = [r for r in done if r["command"] == EMPTY and r["checkout"] == runners[0].name]
+    if empty["flow_runs"]:
         raise RuntimeError(f"the empty runs created {empty['flow_runs']} flow runs")
-
-    rows = [help_row, empty]
-    if args.always_runs and has_always:
-        runs_before = stack.count_flow_runs()
-        always = run.measure(
-            "`delivery run RULE --always` (a chain, nothing to do)",
-            ["run", RULE, "--always", "--json"],
-            args.always_runs,
-            ended("caught_up"),
-        )
-        always["flow_runs"] = stack.count_flow_runs() - runs_before
-        rows.append(always)
-    rows.append(first)
-    return {"rows": rows, "empty_run_goal_met": empty["wall_s_max"] <= GOAL_EMPTY_RUN_SECONDS}
+    return {"rows": done, "empty_run_goal_met": empty["wall_s_max"] <= GOAL_EMPTY_RUN_SECONDS}
 
 
 def render(results: dict[str, Any]) -> str:
-    header = ["command", "runs", "wall median s", "wall max s", "CPU median s", "CPU max s", "flow runs"]
-    lines = ["| " + " | ".join(header) + " |", "| --- |" + "|".join(" ---: " for _ in header[1:]) + "|"]
+    header = ["command", "checkout", "runs", "wall median s", "wall max s", "CPU median s", "CPU max s", "flow runs"]
+    lines = ["| " + " | ".join(header) + " |", "| --- | --- |" + "|".join(" ---: " for _ in header[2:]) + "|"]
     for row in results.get("rows", []):
         cells = [
             row["command"],
+            row["checkout"],
             str(row["runs"]),
             f"{row['wall_s_median']:.2f}",
             f"{row['wall_s_max']:.2f}",
@@ -235,7 +254,10 @@ def render(results: dict[str, Any]) -> str:
     if "empty_run_goal_met" in results:
         verdict = "met" if results["empty_run_goal_met"] else "NOT met"
         lines.append("")
-        lines.append(f"Goal: an empty `delivery run` <= {GOAL_EMPTY_RUN_SECONDS:.0f} s wall (every run): {verdict}.")
+        lines.append(
+            f"Goal: an empty `delivery run` <= {GOAL_EMPTY_RUN_SECONDS:.0f} s wall, "
+            f"every run of this checkout: {verdict}."
+        )
     return "\n".join(lines)
 
 
@@ -254,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "machine": platform.machine(),
             "python": platform.python_version(),
-            "source": str(args.source.resolve()) if args.source else str(ROOT),
+            "checkout": str(ROOT),
+            "baseline": str(args.baseline.resolve()) if args.baseline else None,
         },
     }
     failed = False
