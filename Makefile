@@ -62,6 +62,7 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python -m bench.run --quick --json bench/results/quick.json
 	$(BIN)/python -m bench.rules --quick --json bench/results/rules-quick.json
+	$(BIN)/python -m bench.cli --quick --json bench/results/cli-quick.json
 
 ## The pictures of docs/operator-guide.md (docs/img/*.png), from the real Prefect UI: `delivery serve`
 ## in a temp dir, a few runs, headless Chromium (Debian's `chromium`; installed when run as root). ~3 min.
