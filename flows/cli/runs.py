@@ -56,7 +56,7 @@ def run(
         typer.Option(
             "--always",
             metavar="",
-            help="Run a chain even when the rule has nothing to do (a flow run that ends caught up).",
+            help="Run the chain even when the rule has nothing to do: a flow run either way.",
         ),
     ] = False,
     as_json: JsonFlag = False,
