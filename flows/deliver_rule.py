@@ -24,7 +24,7 @@ from prefect import flow, get_client, get_run_logger, tags, task
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas import State
-from prefect.context import FlowRunContext
+from prefect.context import FlowRunContext, TagsContext
 from prefect.events import emit_event
 from prefect.exceptions import Abort, CancelledRun, TerminationSignal
 from prefect.runtime import flow_run
@@ -117,7 +117,10 @@ async def _run_phase(token: str, phase: Phase) -> ChainEnd | None:
     while chain.has_work(phase):
         number += 1
         async with rule_lock(chain, _run_loggers.get(token)):  # one job of the rule at a time; waiting writes nothing
-            report = batch.with_options(task_run_name=f"{phase.value}-batch-{number}")(token, phase)
+            # Untagged: Prefect takes a tag concurrency slot (an API call and a client of its own) for
+            # every tagged task run. The flow runs carry the rule's tags; the batches are found in them.
+            with TagsContext(current_tags=set()):
+                report = batch.with_options(task_run_name=f"{phase.value}-batch-{number}")(token, phase)
         if report.attempted:
             logger.info("%s batch %d: %d records: %s", phase.value, number, report.attempted, tally(report.counts))
         if report.waited_seconds >= 0.05:

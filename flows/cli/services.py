@@ -34,6 +34,27 @@ def serve_command(
     serve_forever(port)
 
 
+@app.command("worker")
+def worker_command(
+    pool: Annotated[str, typer.Option("--pool", help="The work pool to take runs from.")] = "delivery",
+    limit: Annotated[int, typer.Option("--limit", min=1, max=256, help="Runs in flight at once.")] = 16,
+    name: Annotated[str | None, typer.Option("--name", help="Worker name in the UI (default: host and pid).")] = None,
+    poll_seconds: Annotated[
+        float, typer.Option("--poll-seconds", min=0.5, max=300, help="How often to look for runs to take.")
+    ] = 5.0,
+) -> None:
+    """Run chains in this long-lived process: takes deliver-rule (and tick, requeue, preview) runs from the pool.
+
+    The warm alternative to `prefect worker start --pool delivery`, which starts a process per run. Needs
+    PREFECT_API_URL. Ctrl-C or SIGTERM cancels the runs in flight and stops (exit 0); a second one at once."""
+    from flows.worker import NoPool, NoServer, run_worker
+
+    try:
+        raise typer.Exit(run_worker(pool=pool, name=name, limit=limit, poll_seconds=poll_seconds, say=say))
+    except (NoServer, NoPool) as exc:
+        raise InputError(str(exc)) from None
+
+
 @app.command("sandbox")
 def sandbox_command(
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8900,
