@@ -27,13 +27,11 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 import sqlalchemy as sa
@@ -45,6 +43,7 @@ from delivery.store.tables import chains, rules
 from tests.integration.world import World
 from tests.prefect_server import api_call, prefect_server, stop_group
 from tests.support.databases import create_postgres_database, drop_postgres_database
+from tests.support.in_flight import InFlight
 from tests.target_server import TargetServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,34 +118,6 @@ def workers(
     finally:
         for process in started:
             stop_group(process)
-
-
-class InFlight:
-    """Counts the target's requests in flight, per collection and in all."""
-
-    def __init__(self, target: TargetServer) -> None:
-        self._lock = threading.Lock()
-        self._now: Counter[str] = Counter()
-        self.most: Counter[str] = Counter()
-        self._all = 0
-        self.most_at_once = 0
-        real = target._dispatch
-
-        def dispatch(method: str, raw_path: str, headers: Any, raw: bytes) -> Any:
-            collection = urlsplit(raw_path).path.split("/")[2]
-            with self._lock:
-                self._now[collection] += 1
-                self._all += 1
-                self.most[collection] = max(self.most[collection], self._now[collection])
-                self.most_at_once = max(self.most_at_once, self._all)
-            try:
-                return real(method, raw_path, headers, raw)
-            finally:
-                with self._lock:
-                    self._now[collection] -= 1
-                    self._all -= 1
-
-        target._dispatch = dispatch  # type: ignore[method-assign]
 
 
 @pytest.fixture
