@@ -4,8 +4,10 @@ repository root; `--quick` for a CI-sized run, `--json PATH` for the results.
 The stack is README "Deploying", every part a process of its own: a real `prefect server start`
 (its own PREFECT_HOME in a temp dir, on a PostgreSQL database of the bench's own unless
 `--prefect-sqlite`), the `delivery` process work pool, the `deliver-rule` deployment made by
-`prefect deploy` from the repository's prefect.yaml, `prefect worker start --pool delivery --limit N`
-workers, the delivery database on PostgreSQL (a fresh database of the bench's own for every
+`prefect deploy` from the repository's prefect.yaml, the workers — `delivery worker --pool delivery
+--limit N` (warm: the chains run in one long-lived process; the default) or, with `--process-worker`,
+`prefect worker start --pool delivery --limit N` (a process per chain, the isolation option) — the
+delivery database on PostgreSQL (a fresh database of the bench's own for every
 measurement), and the sandbox target (`delivery sandbox`, fixed latency) in its own process. The
 tick is `flows.tick.run_tick` in this process (it creates its `delivery-tick` flow run on the
 server and starts chains as runs of the deployment, as the scheduled tick does); the
@@ -15,9 +17,10 @@ server and starts chains as runs of the deployment, as the scheduled tick does);
    settled at the records' change signals, inside the overlap window behind the cursor, so the
    tick's "anything to do?" check has rows to look at), 10 % busy with `--changes` (100) changes
    each, each busy rule to its own collection. One worker. Tick 1: wall time from the tick's start
-   until every busy rule's chain has ended, CPU of the tick (this process) and of the worker's
-   process tree (its flow-run processes included), flow runs created. Tick 2, everything caught up:
-   the tick's CPU per rule (what an idle rule costs), flow runs created (none expected).
+   until every busy rule's chain has ended, CPU of the tick (this process), of the worker's
+   process tree (its flow-run processes included) and of the Prefect server, flow runs created.
+   Tick 2, everything caught up: the tick's CPU per rule (what an idle rule costs), flow runs
+   created (none expected).
 2. Two workers: `--tp-rules` busy rules with `--tp-records` changes each, concurrency 1 (so each
    chain is bound by the target's latency, `--latency-ms` 50, rather than by its process start),
    one tick, with one worker and then with two, each `--limit` `--tp-limit`: records/s from the
@@ -63,6 +66,9 @@ DEFAULT_JSON = Path("bench/results/rules.json")
 GOAL_CATCH_UP_SECONDS = 300.0
 GOAL_IDLE_CPU_MS = 20.0
 GOAL_TWO_WORKER_RATIO = 1.8
+#: Issue #17: CPU per busy chain, the worker's and the Prefect server's.
+GOAL_WORKER_CPU_PER_CHAIN_S = 0.3
+GOAL_SERVER_CPU_PER_CHAIN_S = 0.5
 
 _t0 = time.perf_counter()
 
@@ -85,7 +91,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp-records", type=int, default=1000, help="changes per rule there (default 1000)")
     parser.add_argument("--tp-limit", type=int, default=2, help="each worker's --limit there (default 2)")
     parser.add_argument(
-        "--query-seconds", type=float, default=None, help="the workers' poll interval (default Prefect's 10; --quick 2)"
+        "--query-seconds",
+        type=float,
+        default=None,
+        help="the workers' poll interval (default the worker's: 5 s warm, Prefect's 10 s process; --quick 2)",
+    )
+    parser.add_argument(
+        "--process-worker",
+        action="store_true",
+        help="measure `prefect worker start` (a process per chain) instead of the warm `delivery worker`",
     )
     parser.add_argument("--no-two-workers", action="store_true", help="skip the two-worker figure")
     parser.add_argument("--prefect-sqlite", action="store_true", help="the Prefect server on SQLite, not PostgreSQL")
@@ -302,14 +316,17 @@ def run_rules(stack: PrefectStack, sandbox: SandboxProcess, r: int, args: argpar
         "worker_limit": args.limit,
         "tick_with_work": first,
         "tick_all_idle": second,
-        "cpu_s_per_busy_rule": round(first["worker_cpu_s"] / len(busy), 2),
+        "cpu_s_per_busy_rule": round(first["worker_cpu_s"] / len(busy), 3),
+        "server_cpu_s_per_busy_rule": round(first["server_cpu_s"] / len(busy), 3),
         "cpu_ms_per_idle_rule": round(1000 * second["tick_cpu_s"] / r, 2),
         "plan_cpu_ms_per_rule": plan_cpu_ms_per_rule(engine, r),
     }
 
 
-def worker_env(args: argparse.Namespace) -> dict[str, str]:
-    return {} if args.query_seconds is None else {"PREFECT_WORKER_QUERY_SECONDS": str(args.query_seconds)}
+def start_worker(stack: PrefectStack, name: str, limit: int, args: argparse.Namespace, database_url: str) -> None:
+    # The worker is given the database's URL; each measurement recreates the database.
+    env = {"DELIVERY_DATABASE_URL": database_url}
+    stack.start_worker(name, limit, env, warm=not args.process_worker, poll_seconds=args.query_seconds)
 
 
 def run_throughput(
@@ -319,9 +336,8 @@ def run_throughput(
     tag = f"tp{workers}"
     engine = fresh_database()
     set_up(engine, sandbox, rules, [], args.tp_records, 0, tag)
-    env = {"DELIVERY_DATABASE_URL": os.environ[db.DATABASE_URL_ENV], **worker_env(args)}
     for i in range(workers):
-        stack.start_worker(f"bench-worker-{i + 1}", args.tp_limit, env)
+        start_worker(stack, f"bench-worker-{i + 1}", args.tp_limit, args, os.environ[db.DATABASE_URL_ENV])
     try:
         log(f"two-worker figure: {workers} worker(s), {len(rules)} rules x {args.tp_records} records")
         tick = one_tick(stack, engine, args.timeout)
@@ -349,20 +365,21 @@ def render(results: dict[str, Any]) -> str:
     meta = results["meta"]
     lines = [
         f"Prefect {meta['prefect']} server on {meta['prefect_database']}, delivery database PostgreSQL "
-        f"{meta['postgres']}; {meta['cpus']} CPUs; sandbox latency {meta['latency_ms']} ms; one process "
-        f"worker, --limit {meta['limit']}; worker query interval {meta['worker_query_seconds']} s.",
+        f"{meta['postgres']}; {meta['cpus']} CPUs; sandbox latency {meta['latency_ms']} ms; one "
+        f"{meta['worker']} worker, --limit {meta['limit']}; worker query interval {meta['worker_query_seconds']} s.",
         "",
         "| R | busy | idle | tick 1: caught up (s) | flow runs | tick 1 CPU (s) | worker tree CPU (s) "
-        "| CPU per busy rule (s) | tick 2 (all idle) CPU (s) | flow runs "
+        "| CPU per busy rule (s) | server CPU per busy rule (s) | tick 2 (all idle) CPU (s) | flow runs "
         "| CPU per idle rule (ms) | plan per rule (ms) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in results["rules"]:
         first, second = row["tick_with_work"], row["tick_all_idle"]
         lines.append(
             f"| {row['rules']} | {row['busy']} | {row['idle']} | {first['caught_up_wall_s']} | "
             f"{first['flow_runs_created']} | {first['tick_cpu_s']} | {first['worker_cpu_s']} | "
-            f"{row['cpu_s_per_busy_rule']} | {second['tick_cpu_s']} | {second['flow_runs_created']} | "
+            f"{row['cpu_s_per_busy_rule']} | {row['server_cpu_s_per_busy_rule']} | {second['tick_cpu_s']} | "
+            f"{second['flow_runs_created']} | "
             f"{row['cpu_ms_per_idle_rule']} | {row['plan_cpu_ms_per_rule']} |"
         )
     if results.get("idle_cpu_ms_marginal") is not None:
@@ -404,6 +421,17 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "met": row["cpu_ms_per_idle_rule"] <= GOAL_IDLE_CPU_MS,
             }
         )
+        for whose, measured, goal in (
+            ("the worker's", row["cpu_s_per_busy_rule"], GOAL_WORKER_CPU_PER_CHAIN_S),
+            ("the Prefect server's", row["server_cpu_s_per_busy_rule"], GOAL_SERVER_CPU_PER_CHAIN_S),
+        ):
+            goals.append(
+                {
+                    "goal": f"R={row['rules']}: {whose} CPU per busy chain <= {goal} s",
+                    "measured": f"{measured} s",
+                    "met": measured <= goal,
+                }
+            )
     if results.get("two_worker_ratio") is not None:
         goals.append(
             {
@@ -453,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
             "machine": platform.machine(),
             "latency_ms": args.latency_ms,
             "limit": args.limit,
-            "worker_query_seconds": args.query_seconds or "10 (Prefect's default)",
+            "worker": "process (prefect worker start)" if args.process_worker else "warm (delivery worker)",
+            "worker_query_seconds": args.query_seconds or ("10 (Prefect's default)" if args.process_worker else "5"),
             "deployments": "deliver-rule from prefect.yaml (prefect deploy); the tick runs in the bench process",
         },
         "rules": [],
@@ -467,8 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"prefect server on {stack.api}; deliver-rule deployed")
         rules_url = pg.create_database(RULES_DATABASE)
         for r in args.rule_counts:
-            # The worker is given the database's URL; each measurement recreates the database.
-            stack.start_worker("bench-worker-1", args.limit, {"DELIVERY_DATABASE_URL": rules_url, **worker_env(args)})
+            start_worker(stack, "bench-worker-1", args.limit, args, rules_url)
             try:
                 results["rules"].append(run_rules(stack, sandbox, r, args))
             finally:

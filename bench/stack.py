@@ -1,7 +1,8 @@
 """The production path in processes of the bench's own: a real `prefect server start` (its own
 PREFECT_HOME, on PostgreSQL or SQLite), the `delivery` process work pool, the `deliver-rule`
 deployment from the repository's prefect.yaml (`prefect deploy`, as README "Deploying" does it),
-and `prefect worker start` processes; plus the CPU seconds of a process tree, read from /proc."""
+and the workers: `delivery worker` (warm: every chain in one long-lived process) or `prefect
+worker start` (a process per chain, the isolation option); plus the CPU seconds of a process tree, read from /proc."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
+DELIVERY = str(Path(sys.executable).parent / "delivery")
 POOL = "delivery"
 DEPLOYMENT = "deliver-rule/deliver-rule"
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -141,8 +143,19 @@ class PrefectStack:
                 raise RuntimeError(f"prefect {' '.join(command)}:\n{done.stdout}\n{done.stderr}")
         return self
 
-    def start_worker(self, name: str, limit: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        command = [*PREFECT, "worker", "start", "--pool", POOL, "--name", name, "--limit", str(limit)]
+    def start_worker(
+        self, name: str, limit: int, env: dict[str, str], warm: bool = True, poll_seconds: float | None = None
+    ) -> subprocess.Popen[bytes]:
+        """`delivery worker` (warm) or `prefect worker start` (a process per run); `poll_seconds`
+        None: the worker's own default (5 s warm, Prefect's 10 s for the process worker)."""
+        if warm:
+            command = [DELIVERY, "worker", "--pool", POOL, "--name", name, "--limit", str(limit)]
+            if poll_seconds is not None:
+                command += ["--poll-seconds", str(poll_seconds)]
+        else:
+            command = [*PREFECT, "worker", "start", "--pool", POOL, "--name", name, "--limit", str(limit)]
+            if poll_seconds is not None:
+                env = {**env, "PREFECT_WORKER_QUERY_SECONDS": str(poll_seconds)}
         worker = self._popen(command, f"{name}.log", self.env(**env))
         self.workers[name] = worker
         deadline = time.monotonic() + 60
