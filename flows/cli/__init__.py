@@ -13,12 +13,6 @@ import sys
 from pathlib import Path
 from typing import get_args
 
-# isort: split
-# First, before the slower imports: on a `delivery serve` command line this takes SIGTERM and SIGINT
-# over at once, so that a signal during start-up stops it cleanly too (see flows/stop_signals.py).
-import flows.stop_signals  # noqa: F401
-
-# isort: split
 from delivery.db import DatabaseUnavailable
 from delivery.errors import InputError
 from delivery.settings import settings

@@ -102,7 +102,7 @@ def alerts_install(
     ] = True,
     directory: Annotated[
         Path | None,
-        typer.Option("--dir", help="Where the automation files are (default: automations/ of this checkout)."),
+        typer.Option("--dir", help="Where the automation files are (default: those shipped with the package)."),
     ] = None,
     tick_missing_minutes: Annotated[
         float | None,
