@@ -283,6 +283,18 @@ async def _first(*waits: Any) -> None:
             task.cancel()
 
 
+class _NoLaneTimeoutWarning(logging.Filter):
+    """Drops Prefect's warning that a task's timeout cannot interrupt it off the main thread.
+
+    On a lane every batch runs off the main thread, so Prefect would log it at every batch of every
+    chain, into the run's log in the UI. The chain does not rely on it: its own job deadline stops
+    a job from sending in time (`delivery.chain`), every call has its own timeout, and Prefect's
+    timeout still fails a batch between two Python steps, as the backstop it is."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "running in a worker thread" not in str(record.msg)
+
+
 class NoServer(RuntimeError):
     """No Prefect server to take runs from (PREFECT_API_URL is not set)."""
 
@@ -320,6 +332,7 @@ def run_worker(
             "(`delivery serve` starts one on this machine)"
         )
     signals = stop_signals.claim()
+    logging.getLogger("prefect.task_runs").addFilter(_NoLaneTimeoutWarning())
     worker = WarmWorker(pool=pool, limit=limit, poll_seconds=poll_seconds, say=say)
     if name:
         worker.name = name
