@@ -320,8 +320,25 @@ async def rule_lock(chain: Chain, logger: RunLogger | None = None) -> AsyncItera
         renewer.join(timeout=5)
         # Release, then clear the record: the other order leaves a moment where the slot is taken
         # by a live lease with nobody on record, which a waiter could take for a lost slot.
-        try:
-            await release_lease(lease_id)
-        except Exception:  # a slot already freed by a waiter that judged us dead
-            (logger or log).warning("rule %s: the lock lease was already gone at release", chain.rule.name)
+        cancelled = await _release_even_if_cancelled(lease_id, chain.rule.name, logger or log)
         liveness.record_lock(chain.engine, chain.token, None)
+        if cancelled:
+            raise asyncio.CancelledError
+
+
+async def _release_even_if_cancelled(lease_id: UUID, rule: str, logger: RunLogger) -> bool:
+    """Release the lease to the end; True if the chain was cancelled meanwhile.
+
+    A chain cancelled in a long-lived process (Cancel in the UI on `delivery worker`) is cancelled
+    at its next await, and while a batch runs that is this release: cut short, it would leave the
+    slot taken until its lease expires, and the rule's next chain would wait that long."""
+    release = asyncio.ensure_future(release_lease(lease_id))
+    cancelled = False
+    while not release.done():
+        try:
+            await asyncio.shield(release)
+        except asyncio.CancelledError:
+            cancelled = True
+    if release.cancelled() or release.exception() is not None:  # a slot a waiter freed, judging us dead
+        logger.warning("rule %s: the lock lease was already gone at release", rule)
+    return cancelled

@@ -265,6 +265,8 @@ def test_a_run_cancelled_from_the_api_ends_cancelled_and_sigterm_cancels_the_run
     assert worker.wait(timeout=120) == 0, workers.log("warm-cancel")
     assert state(second["id"]) == "CANCELLED", workers.log("warm-cancel")
     assert "stopped after 2 run(s)" in workers.log("warm-cancel")
+    # The cancelled chain let go of the rule lock: the next one did not wait for its lease to expire.
+    assert "waiting for the rule lock" not in workers.log("warm-cancel")
 
 
 @pytest.mark.parametrize("db_url", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
