@@ -7,12 +7,11 @@ from typing import Annotated, Any
 
 import typer
 
+from delivery import listings
 from delivery.db import upgrade
 from delivery.domain import ConnectionStatus, LedgerStatus
 from delivery.errors import InputError
 from delivery.policy import closed_connection
-from delivery.store import catalog
-from delivery.store import ledger as ledger_store
 from flows.cli.apps import app, db_app, mirror_app
 from flows.cli.output import (
     JsonFlag,
@@ -61,7 +60,7 @@ def apply(
         say("nothing to apply")
 
 
-def _retirement_text(retirement: catalog.Retirement) -> str:
+def _retirement_text(retirement: listings.Retirement) -> str:
     statuses = ", ".join(f"{count} {status}" for status, count in sorted(retirement.statuses.items()))
     rows = f"{retirement.rows} ledger row{'' if retirement.rows == 1 else 's'}"
     return f"rule {retirement.rule}: {rows}{f' ({statuses})' if statuses else ''}; {retirement.reason}"
@@ -109,7 +108,7 @@ def mirror_load(
 def list_connections(as_json: JsonFlag = False) -> None:
     """List connections with driver, status, base URL, token source and settle mode."""
     with read_only() as conn:
-        items = catalog.list_connections(conn)
+        items = listings.connections(conn)
     rows = [
         {
             "name": c.name,
@@ -156,18 +155,13 @@ def connection_status(
     budget, requests today, a pause its Retry-After asked for)."""
     if status is not None:
         with engine().begin() as conn:
-            catalog.set_connection_status(conn, name, status)
+            listings.set_connection_status(conn, name, status)
         say(f"connection {name} is now {status.value}")
         return
     from delivery.clock import utcnow
-    from delivery.errors import UnknownName
-    from delivery.status import connection_overview
 
     with read_only() as conn:
-        found = [c for c in connection_overview(conn, utcnow()) if c["name"] == name]
-    if not found:
-        raise UnknownName(f"no connection named {name!r}")
-    shown = found[0]
+        shown = listings.connection(conn, name, utcnow())
     if as_json:
         print_json(shown)
         return
@@ -180,7 +174,7 @@ def connection_status(
 def list_rules(as_json: JsonFlag = False) -> None:
     """List rules: route, policy, cursor and ledger counts per status."""
     with read_only() as conn:
-        items = [(r, ledger_store.counts_by_status(conn, r.id)) for r in catalog.list_rules(conn)]
+        items = listings.rules_with_counts(conn)
     rows: list[dict[str, Any]] = [
         {
             "rule": r.name,

@@ -9,10 +9,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from delivery import listings
 from delivery.domain import LedgerStatus
 from delivery.errors import InputError
-from delivery.store import catalog
-from delivery.store import ledger as ledger_store
 from flows.cli.apps import app
 from flows.cli.output import (
     JsonFlag,
@@ -37,9 +36,7 @@ def show_ledger(
 ) -> None:
     """Ledger rows: one per (rule, record), with status, remote id, attempts, next attempt and last error."""
     with read_only() as conn:
-        if rule is not None:
-            catalog.get_rule(conn, rule)
-        rows = ledger_store.ledger_rows(conn, rule, status, limit)
+        rows = listings.ledger_rows(conn, rule, status, limit)
     if as_json:
         print_json(
             [{**r, "next_attempt_at": iso(r["next_attempt_at"]), "updated_at": iso(r["updated_at"])} for r in rows]

@@ -8,9 +8,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from delivery import listings
 from delivery.domain import LedgerStatus, Rule
 from delivery.settings import dead_chain_minutes
-from delivery.store import catalog
 from flows.cli.apps import app
 from flows.cli.output import (
     JsonFlag,
@@ -73,7 +73,7 @@ def run(
     from delivery.tick import needs_chain
 
     with read_only() as conn:
-        found = catalog.get_rule(conn, rule)
+        found = listings.rule(conn, rule)
         # The tick's own predicate; a disabled rule still gets its chain, which ends `disabled`.
         idle = not always and found.enabled and not needs_chain(conn, found, utcnow())
     if idle:
