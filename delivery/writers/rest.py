@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC
@@ -164,6 +165,7 @@ class _RestWriter(Writer):
             # 20 by default: at a concurrency of 64 most calls would open a new connection).
             limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
             transport=transport,
+            verify=tls_context(),
         )
 
     @classmethod
@@ -401,6 +403,14 @@ class _RestUpdatesMany(_RestWriter, UpdatesMany):
 
     def update_many(self, items: Sequence[UpdateItem]) -> list[UpdateResult]:
         return self._update_many(items)
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """The TLS settings every REST writer of the process shares (httpx's defaults: certifi's CAs,
+    or SSL_CERT_FILE / SSL_CERT_DIR). Building them costs about 20 ms of CPU, once per writer, so
+    once per chain; a long-lived worker runs many chains."""
+    return httpx.create_ssl_context()
 
 
 @functools.cache
