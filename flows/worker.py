@@ -18,6 +18,10 @@ next poll; its flow is cancelled where it awaits, which the chain answers by end
 writing nothing more. A batch in progress finishes first, as on a first Ctrl-C: a sync Prefect task
 cannot be interrupted mid-step from another thread, and the batch is bounded by its own timeout.
 
+Suspending a run (Suspend in the UI) is not watched for: a chain is cancelled, never paused, and
+the observer Prefect would start for it costs a thread and an event subscription per run
+(`flows.prefect_private.skip_suspension_observers`).
+
 A killed worker (kill -9) leaves its runs Running; the tick judges their chains dead once their
 heartbeat is older than the dead-chain threshold, supersedes their tokens and starts new chains, as
 for a killed process worker. Stopping it with SIGTERM/SIGINT cancels the runs in flight (each ends
@@ -324,7 +328,7 @@ def run_worker(
     say: Callable[[str], None] = print,
 ) -> int:
     """`delivery worker`: serve the pool until SIGTERM/SIGINT; a second signal exits at once."""
-    from flows import stop_signals
+    from flows import prefect_private, stop_signals
 
     if not os.environ.get("PREFECT_API_URL"):
         raise NoServer(
@@ -333,6 +337,7 @@ def run_worker(
         )
     signals = stop_signals.claim()
     logging.getLogger("prefect.task_runs").addFilter(_NoLaneTimeoutWarning())
+    prefect_private.skip_suspension_observers()
     worker = WarmWorker(pool=pool, limit=limit, poll_seconds=poll_seconds, say=say)
     if name:
         worker.name = name

@@ -24,6 +24,28 @@ def test_the_ephemeral_servers_are_where_we_look_for_them() -> None:
     assert "self.port" in inspect.getsource(servers.__init__)
 
 
+def test_the_flow_engine_starts_the_suspension_observer_where_we_replace_it() -> None:
+    engine = importlib.import_module(flows.prefect_private.FLOW_ENGINE_MODULE)
+    observer = getattr(engine, flows.prefect_private.SUSPENSION_OBSERVER)
+    assert observer.__module__ == "prefect._flow_run_suspension"
+    # The engine calls it through its module global, at each run of a deployment, as a context manager.
+    setup = inspect.getsource(engine.BaseFlowRunEngine.setup_flow_run_suspension_request)
+    assert f"{flows.prefect_private.SUSPENSION_OBSERVER}(" in setup and "deployment_id" in setup
+    assert list(inspect.signature(observer).parameters)[:2] == ["flow_run_id", "suspension_request"]
+
+
+def test_skipping_the_suspension_observer_leaves_a_context_manager_in_its_place() -> None:
+    engine = importlib.import_module(flows.prefect_private.FLOW_ENGINE_MODULE)
+    name = flows.prefect_private.SUSPENSION_OBSERVER
+    real = getattr(engine, name)
+    try:
+        flows.prefect_private.skip_suspension_observers()
+        with getattr(engine, name)("run-id", object()):
+            pass
+    finally:
+        setattr(engine, name, real)
+
+
 def test_only_the_private_module_imports_prefect_internals() -> None:
     """Any other `prefect.<...>._x` import in the engine would escape the test above."""
     offenders = []
