@@ -332,3 +332,19 @@ def test_kill_9_of_a_warm_worker_holding_several_chains_the_next_tick_takes_them
             .all()
         )
     assert sorted(dead) == sorted(names)
+
+
+def test_delivery_worker_refuses_to_start_without_a_server_or_a_pool(
+    server: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
+    _, env = server
+    alone = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    for run_env, args, said in (
+        (alone, [], "set PREFECT_API_URL"),
+        (env, ["--pool", "no-such-pool"], "work pool 'no-such-pool' does not exist"),
+    ):
+        done = subprocess.run(
+            [DELIVERY, "worker", *args], cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        assert said in done.stderr and done.stderr.startswith("error: "), done.stderr
