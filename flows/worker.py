@@ -74,7 +74,7 @@ def known_flows() -> dict[str, Flow[Any, Any]]:
 class _InFlight:
     run: FlowRun
     flow: Flow[Any, Any]
-    lane: _Lane
+    runner: _ChainThread
     task: asyncio.Task[Any] | None = None
     cancel_asked: bool = False
 
@@ -82,10 +82,10 @@ class _InFlight:
         """Cancel the flow where it awaits (thread-safe; before it started, as soon as it starts)."""
         self.cancel_asked = True
         if self.task is not None:
-            self.lane.loop.call_soon_threadsafe(self.task.cancel)
+            self.runner.loop.call_soon_threadsafe(self.task.cancel)
 
 
-class _Lane:
+class _ChainThread:
     """One thread with one event loop for its whole life, running one chain at a time.
 
     The loop holds Prefect's client contexts open for all the chains it runs, so a chain does not
@@ -100,7 +100,7 @@ class _Lane:
         self._queue: asyncio.Queue[_InFlight | None] | None = None
         self._ready = threading.Event()
         self.busy = False
-        self.thread = threading.Thread(target=self._main, name=f"chain-lane-{number}", daemon=True)
+        self.thread = threading.Thread(target=self._main, name=f"chain-thread-{number}", daemon=True)
         self.thread.start()
         self._ready.wait()
 
@@ -158,7 +158,7 @@ class WarmWorker:
     def __post_init__(self) -> None:
         self._in_flight: dict[UUID, _InFlight] = {}
         self._lock = threading.Lock()
-        self._lanes: list[_Lane] = []
+        self._threads: list[_ChainThread] = []
         self._flow_names: dict[UUID, str | None] = {}
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -197,21 +197,21 @@ class WarmWorker:
         deadline = time.monotonic() + timeout
         while self.busy and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        for lane in self._lanes:
-            lane.close()
+        for runner in self._threads:
+            runner.close()
 
     @property
     def busy(self) -> int:
         with self._lock:
             return len(self._in_flight)
 
-    def _free_lane(self) -> _Lane | None:
-        for lane in self._lanes:
-            if not lane.busy:
-                return lane
-        if len(self._lanes) < self.limit:  # lanes start as they are first needed
-            self._lanes.append(_Lane(len(self._lanes) + 1, self._ended, self._tell))
-            return self._lanes[-1]
+    def _free_thread(self) -> _ChainThread | None:
+        for runner in self._threads:
+            if not runner.busy:
+                return runner
+        if len(self._threads) < self.limit:  # threads start as they are first needed
+            self._threads.append(_ChainThread(len(self._threads) + 1, self._ended, self._tell))
+            return self._threads[-1]
         return None
 
     # -- claiming ---------------------------------------------------------------------------------
@@ -243,19 +243,19 @@ class WarmWorker:
     # -- running ----------------------------------------------------------------------------------
 
     def _start(self, flow: Flow[Any, Any], run: FlowRun) -> None:
-        lane = self._free_lane()
-        assert lane is not None, "busy < limit leaves a lane free"
-        flight = _InFlight(run, flow, lane)
+        runner = self._free_thread()
+        assert runner is not None, "busy < limit leaves a thread free"
+        flight = _InFlight(run, flow, runner)
         with self._lock:
             self._in_flight[run.id] = flight
-        self._tell(f"running {run.name} ({run.id}) on lane {lane.number}")
-        lane.give(flight)
+        self._tell(f"running {run.name} ({run.id}) on chain thread {runner.number}")
+        runner.give(flight)
 
     def _ended(self, flight: _InFlight) -> None:
         with self._lock:
             self._in_flight.pop(flight.run.id, None)
             self.ran += 1
-        if self._loop is not None:  # a free lane: claim at once rather than at the next poll
+        if self._loop is not None:  # a free thread: claim at once rather than at the next poll
             self._loop.call_soon_threadsafe(self._wake.set)
 
     async def _cancel_asked(self, client: Any) -> None:
@@ -287,10 +287,10 @@ async def _first(*waits: Any) -> None:
             task.cancel()
 
 
-class _NoLaneTimeoutWarning(logging.Filter):
+class _NoThreadTimeoutWarning(logging.Filter):
     """Drops Prefect's warning that a task's timeout cannot interrupt it off the main thread.
 
-    On a lane every batch runs off the main thread, so Prefect would log it at every batch of every
+    On a chain thread every batch runs off the main thread, so Prefect would log it at every batch of every
     chain, into the run's log in the UI. The chain does not rely on it: its own job deadline stops
     a job from sending in time (`delivery.chain`), every call has its own timeout, and Prefect's
     timeout still fails a batch between two Python steps, as the backstop it is."""
@@ -336,7 +336,7 @@ def run_worker(
             "(`delivery serve` starts one on this machine)"
         )
     signals = stop_signals.claim()
-    logging.getLogger("prefect.task_runs").addFilter(_NoLaneTimeoutWarning())
+    logging.getLogger("prefect.task_runs").addFilter(_NoThreadTimeoutWarning())
     prefect_private.skip_suspension_observers()
     worker = WarmWorker(pool=pool, limit=limit, poll_seconds=poll_seconds, say=say)
     if name:

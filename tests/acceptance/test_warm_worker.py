@@ -99,10 +99,10 @@ class Workers:
 
     def ran(self, name: str) -> list[str]:
         """The ids of the runs the worker took, from its own output."""
-        return re.findall(r"running .* \(([0-9a-f-]{36})\) on lane \d+", self.log(name))
+        return re.findall(r"running .* \(([0-9a-f-]{36})\) on chain thread \d+", self.log(name))
 
-    def lanes(self, name: str) -> set[str]:
-        return set(re.findall(r"on lane (\d+)", self.log(name)))
+    def threads(self, name: str) -> set[str]:
+        return set(re.findall(r"on chain thread (\d+)", self.log(name)))
 
     def assert_alive(self) -> None:
         for name, process in self.started.items():
@@ -217,7 +217,7 @@ def test_two_warm_workers_share_the_chains_and_deliver_every_record_once(
     taken = {name: workers.ran(name) for name in ("warm-1", "warm-2")}
     assert all(taken.values()), workers.log("warm-1") + workers.log("warm-2")
     assert sorted(taken["warm-1"] + taken["warm-2"]) == sorted(str(run["id"]) for run in runs)
-    assert max(len(workers.lanes(name)) for name in taken) >= 2
+    assert max(len(workers.threads(name)) for name in taken) >= 2
     # No line per batch about Prefect's task timeout off the main thread (the chain has its own).
     assert not [name for name in taken if "worker thread" in workers.log(name)]
     assert in_flight.most_at_once >= 2, in_flight.most_at_once
