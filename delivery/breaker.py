@@ -7,12 +7,16 @@ This module owns the breaker's rules: what counts as a failure (`_not_the_target
 open breaker lets a trial call through (`reopens_at`), until when it is open (`open_until`, for a
 breaker object and for the stored row alike) and the target counts as down (`outage_until`), and
 the state in words that the chain, `delivery status` and `delivery preview` show (`open_message`,
-`state_in_words`). The state itself is kept by `delivery.store.breaker`; pybreaker's private names
-are read only in `delivery.pybreaker_private`.
+`state_in_words`), what a refused call is (`Refused`: the call was not made) and which change of
+state begins or ends an outage (`outage_change`, what the flows' breaker events say). The state
+itself is kept by `delivery.store.breaker`; pybreaker's private names are read only in
+`delivery.pybreaker_private`; no other module of the engine or the flows imports pybreaker
+(tests/unit/test_pybreaker_private.py).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -24,6 +28,29 @@ from delivery import pybreaker_private
 from delivery.domain import Connection, Rule
 from delivery.errors import TargetUnavailable
 from delivery.store.breaker import DatabaseBreakerStorage, breaker_state
+
+#: What a breaker raises instead of making a call it refuses (open, or half-open with its one trial
+#: call taken): nothing went out.
+Refused = pybreaker.CircuitBreakerError
+#: The stored state of an open breaker (pybreaker's name), for those told of a change.
+OPEN = pybreaker.STATE_OPEN
+
+
+class Outage(enum.Enum):
+    BEGAN = "began"
+    ENDED = "ended"
+
+
+def outage_change(old: str, new: str) -> Outage | None:
+    """What a change of the stored state means for the target: a trip (closed to open) begins an
+    outage and any close ends it. A failed trial call (half-open to open) is the same outage going on,
+    and a trial let through (open to half-open) is not yet its end: one page per outage, not one per
+    cooldown."""
+    if new == pybreaker.STATE_OPEN and old == pybreaker.STATE_CLOSED:
+        return Outage.BEGAN
+    if new == pybreaker.STATE_CLOSED:
+        return Outage.ENDED
+    return None
 
 
 def _not_the_targets_fault(exc: BaseException) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from delivery import policy
+from delivery import liveness, policy
 from delivery.breaker import BreakerListener, TargetBreaker, open_message
 from delivery.bulk import BulkJob, offers_batches
 from delivery.clock import utcnow
@@ -59,11 +59,6 @@ from delivery.writers.registry import writer_for
 
 log = logging.getLogger(__name__)
 
-#: At most this often a settle also writes the chain's heartbeat (every job writes it as it starts).
-HEARTBEAT_SECONDS = 1.0
-#: A chain waiting for the rule lock beats once per wait step: one newer than the lock's holder
-#: counts as waiting while it beat within two steps and this margin.
-HANDOVER_MARGIN_SECONDS = 10.0
 #: Seconds a job keeps in hand before its timeout, beyond one request's own timeout: a wait for
 #: the target's traffic never runs the job into its timeout (which would fail the chain).
 JOB_DEADLINE_MARGIN_SECONDS = 5.0
@@ -117,7 +112,7 @@ class Chain:
         self._lanes: list[TargetBreaker] = []
         self._secret: str | None = None
         self._secrets: SecretReader | None = None
-        self._heartbeat = Heartbeat(self.token, clock, HEARTBEAT_SECONDS)
+        self._heartbeat = Heartbeat(self.token, clock, liveness.HEARTBEAT_SECONDS)
         #: Seconds waited for traffic by the chain's earlier `TargetTraffic`s (a rule saved mid-chain).
         self._waited_before = 0.0
 
@@ -267,8 +262,7 @@ class Chain:
             # A chain holding the lock job after job retakes it the moment it lets go, while a
             # newer one waits in steps: without a handover a manual run would wait out the
             # whole older chain. The most recently started chain goes on, as in `claim`.
-            alive = timedelta(seconds=2 * settings().lock_wait_step_seconds + HANDOVER_MARGIN_SECONDS)
-            newer = chains.newer_waiting(conn, rule.id, self.token, self.started_at, self.clock() - alive)
+            newer = liveness.newer_waiting(conn, rule.id, self.token, self.started_at, self.clock())
             if newer is not None:
                 report.ended_by = ChainEnd.SUPERSEDED
                 report.message = (

@@ -13,10 +13,8 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-import pybreaker
-
 from delivery import policy
-from delivery.breaker import TargetBreaker
+from delivery.breaker import Refused, TargetBreaker
 from delivery.domain import Candidate, ChainEnd, LedgerRow, LedgerStatus, Outcome, Phase, Rule, Verb
 from delivery.errors import (
     RecordFault,
@@ -58,12 +56,12 @@ class Stopped(Exception):
 
 #: What stops a call before it is made: the breaker refused it, the target's traffic holds it past
 #: the job's deadline, or the job stopped while it waited.
-NOT_SENT = (pybreaker.CircuitBreakerError, TrafficHeld, Stopped)
+NOT_SENT = (Refused, TrafficHeld, Stopped)
 
 
 def not_sent_end(held: BaseException) -> ChainEnd | None:
     """How a batch ends when a call was not made (`NOT_SENT`): None for a job that stopped."""
-    if isinstance(held, pybreaker.CircuitBreakerError):
+    if isinstance(held, Refused):
         return ChainEnd.BREAKER_OPEN
     return ChainEnd.RATE_LIMITED if isinstance(held, TrafficHeld) else None
 
@@ -190,7 +188,7 @@ class RecordStep:
             if plan.verb is Verb.CREATE and remote_id is not None:
                 # The create went through and the follow-up update was not sent: keep the id, and
                 # no fingerprint, so the next attempt updates.
-                why = "breaker open" if isinstance(held, pybreaker.CircuitBreakerError) else "traffic held"
+                why = "breaker open" if isinstance(held, Refused) else "traffic held"
                 refused = TargetUnavailable(f"{why} before the follow-up update", outcome_unknown=False)
                 return self._after(row, refused, remote_id, breaker)
             return not_sent_end(held)

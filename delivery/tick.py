@@ -10,18 +10,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from delivery import policy
+from delivery import liveness, policy
 from delivery.domain import Rule
-from delivery.settings import settings
 from delivery.store import catalog, chains, ledger
 from delivery.writers.base import verbs_of
 from delivery.writers.registry import find_writer
-
-
-def dead_after(minutes: float | None = None) -> timedelta:
-    if minutes is None:
-        minutes = settings().dead_chain_minutes
-    return timedelta(minutes=minutes)
 
 
 def run_name(rule: str, target: str) -> str:
@@ -103,22 +96,20 @@ def needs_chain(conn: sa.Connection, rule: Rule, now: datetime) -> bool:
 
 
 def plan_tick(conn: sa.Connection, now: datetime, threshold: timedelta) -> TickPlan:
-    """A chain is alive while it has not ended and its heartbeat (written as each job starts, about
-    once a second while it settles records, and at launch for a run still waiting for a worker) is
-    younger than `threshold`. A rule with none alive gets a chain only when `needs_chain`;
-    otherwise it is idle this tick."""
+    """A chain is alive while it has not ended and `liveness.judge_chains` finds its heartbeat
+    fresh within `threshold` (`liveness.dead_chain_after`). A rule with none alive gets a chain only
+    when `needs_chain`; otherwise it is idle this tick."""
     plan = TickPlan()
     for rule in catalog.list_rules(conn):
         if not rule.enabled:
             plan.disabled.append(rule.name)
             continue
         alive = False
-        for chain in chains.open_chains(conn, rule.id):
-            silent = now - chain["heartbeat_at"]
-            if silent <= threshold:
+        for chain in liveness.judge_chains(conn, rule.id, now, threshold):
+            if chain.alive:
                 alive = True
             else:
-                plan.dead.append(DeadChain(rule.name, rule.id, chain["token"], chain["flow_run_id"], silent))
+                plan.dead.append(DeadChain(rule.name, rule.id, chain.token, chain.flow_run_id, chain.silent_for))
         if alive:
             plan.alive.append(rule.name)
         elif needs_chain(conn, rule, now):

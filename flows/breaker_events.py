@@ -13,10 +13,9 @@ import contextvars
 import logging
 from typing import Any
 
-import pybreaker
 from prefect.events import emit_event
 
-from delivery.breaker import BreakerListener, TargetBreaker
+from delivery.breaker import OPEN, BreakerListener, Outage, TargetBreaker, outage_change
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +23,13 @@ OPENED = "delivery.breaker.opened"
 CLOSED = "delivery.breaker.closed"
 
 
+_EVENTS = {Outage.BEGAN: OPENED, Outage.ENDED: CLOSED}
+
+
 def breaker_event(old: str, new: str) -> str | None:
-    """The event a change of the stored state makes, if any."""
-    if new == pybreaker.STATE_OPEN and old == pybreaker.STATE_CLOSED:
-        return OPENED
-    if new == pybreaker.STATE_CLOSED:
-        return CLOSED
-    return None
+    """The event a change of the stored state makes, if any (`delivery.breaker.outage_change`)."""
+    change = outage_change(old, new)
+    return None if change is None else _EVENTS[change]
 
 
 def connection_resource(target: str) -> dict[str, str]:
@@ -58,7 +57,7 @@ class RunBreakerListener(BreakerListener):
 
     def _tell(self, breaker: TargetBreaker, old: str, new: str) -> None:
         event = breaker_event(old, new)
-        if new == pybreaker.STATE_OPEN:
+        if new == OPEN:
             self.logger.warning(
                 "rule %s: the breaker of target %s opened (%s -> %s) after %d consecutive failures; "
                 "this chain sends nothing more, and no chain sends to %s for %.0f s",

@@ -16,8 +16,11 @@ later give back a slot that by then belongs to the next holder, and two jobs wou
 - Prefect's ephemeral API (no PREFECT_API_URL: a temporary server per process; the test harness
   too) runs no repossessor, keeps leases in memory and loses them when its process ends, so
   nothing but a waiter can free such a slot. It resets only after the slot has stood taken with
-  nobody on record for longer than a lease lives unrenewed (`UNACCOUNTED_SECONDS`), or when a
+  nobody on record for longer than a lease lives unrenewed (`liveness.slot_lost`), or when a
   dead holder's release fails (its lease died with the server that held it).
+
+Every length here (the lease, its renewal, the wait step) and every judgement of a holder (dead,
+or a slot lost) is `delivery.liveness`'s: this module acts on what it decides.
 
 What an operator should see goes to the chain's run log (the `logger` the flow passes in): each
 wait step that found the rule taken (which chain holds it, its flow run, process and host, and how
@@ -42,7 +45,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
@@ -57,7 +59,6 @@ from prefect.settings import PREFECT_API_URL
 from delivery import liveness
 from delivery.chain import Chain
 from delivery.clock import utcnow
-from delivery.settings import settings
 from flows.prefect_private import ephemeral_api_urls
 
 log = logging.getLogger(__name__)
@@ -65,22 +66,12 @@ log = logging.getLogger(__name__)
 #: A std logger, or the run logger (a LoggerAdapter) of the chain's flow run.
 RunLogger = logging.Logger | logging.LoggerAdapter[Any]
 
-LEASE_SECONDS = 60.0  # Prefect's minimum: a killed holder's slot is repossessed soonest
-#: A slot taken with nobody on record is reset (ephemeral API only) after this long: by then any
-#: lease nobody renews has expired, with a margin for a holder's last renewal in flight.
-UNACCOUNTED_SECONDS = LEASE_SECONDS + 15.0
-
-
 #: Every rule's lock is the Prefect global concurrency limit named this prefix + the rule's name.
 LOCK_PREFIX = "delivery-rule-"
 
 
 def lock_name(rule: str) -> str:
     return LOCK_PREFIX + rule
-
-
-def _wait_step() -> float:
-    return settings().lock_wait_step_seconds
 
 
 async def ensure_lock(rule: str) -> str:
@@ -224,7 +215,7 @@ class LockRepair:
     async def _free_dead(self, holders: list[liveness.Holder]) -> None:
         """Free the slot of a holder that died mid-job; a live holder (however slow) is waited for."""
         chain = self.chain
-        stale = timedelta(seconds=liveness.STALE_HOLDER_SECONDS + 2 * chain.rule.target.timeout_seconds)
+        stale = liveness.holder_stale_after(chain.rule.target.timeout_seconds)
         now = utcnow()
         for holder in holders:
             if not liveness.holder_is_dead(holder, now, stale, liveness.this_host()):
@@ -257,7 +248,7 @@ class LockRepair:
         if self.unaccounted_since is None:
             self.unaccounted_since = now
             return
-        if now - self.unaccounted_since < UNACCOUNTED_SECONDS:
+        if not liveness.slot_lost(now - self.unaccounted_since):
             return
         if self.repossessor:
             if not self.warned:
@@ -275,12 +266,12 @@ class LockRepair:
 
 
 def _renew(lease_id: UUID, stop: threading.Event) -> None:
-    """Renew at 75 % of the lease. Unlike Prefect's own helper this does not renew at once, so a
-    short job (most are) makes no renewal call that could race its release."""
+    """Renew every `liveness.LEASE_RENEW_SECONDS`. Unlike Prefect's own helper this does not renew
+    at once, so a short job (most are) makes no renewal call that could race its release."""
     with get_client(sync_client=True) as client:
-        while not stop.wait(LEASE_SECONDS * 0.75):
+        while not stop.wait(liveness.LEASE_RENEW_SECONDS):
             try:
-                client.renew_concurrency_lease(lease_id=lease_id, lease_duration=LEASE_SECONDS)
+                client.renew_concurrency_lease(lease_id=lease_id, lease_duration=liveness.LEASE_SECONDS)
             except Exception as exc:  # keep working: the DB fence still guards every write
                 log.warning("could not renew the rule lock lease %s: %s", lease_id, exc)
 
@@ -294,7 +285,9 @@ async def rule_lock(chain: Chain, logger: RunLogger | None = None) -> AsyncItera
     started = time.monotonic()
     while True:
         try:
-            lease_id = await acquire_lease(name, timeout_seconds=_wait_step(), lease_seconds=LEASE_SECONDS)
+            lease_id = await acquire_lease(
+                name, timeout_seconds=liveness.lock_wait_step_seconds(), lease_seconds=liveness.LEASE_SECONDS
+            )
             break
         except TimeoutError:
             repair = repair or LockRepair(

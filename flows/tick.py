@@ -36,7 +36,7 @@ from delivery.clock import utcnow
 from delivery.db import shared_engine
 from delivery.errors import InputError
 from delivery.settings import dead_chain_minutes
-from delivery.tick import Launch, TickOutcome, attach_flow_run, dead_after, plan_tick, record_launch
+from delivery.tick import Launch, TickOutcome, attach_flow_run, plan_tick, record_launch
 from flows.deliver_rule import deliver_rule, launch_context, launched
 from flows.status_artifact import publish_status
 
@@ -123,7 +123,7 @@ async def delivery_tick(dead_after_minutes: float = 0) -> State[Any]:
             logger.error("tick refused: %s", exc)
             return Failed(message=str(exc))  # plainly Failed: the tick-failed alert and filters find it
     engine = shared_engine()
-    threshold = dead_after(dead_after_minutes or None)
+    threshold = liveness.dead_chain_after(dead_after_minutes or None)
     with engine.connect().execution_options(readonly=True) as conn:
         plan = plan_tick(conn, utcnow(), threshold)
     outcome = TickOutcome(plan)

@@ -19,10 +19,11 @@ import sqlalchemy as sa
 
 from delivery.clock import utcnow
 from delivery.domain import MirrorInput
+from delivery.liveness import dead_chain_after
 from delivery.store import catalog
 from delivery.store.mirror import load_records
 from delivery.store.tables import breaker_states, chains, connections, ledger, mirror_records
-from delivery.tick import dead_after, plan_tick
+from delivery.tick import plan_tick
 from tests.support.cli import (
     RULE,
     ZERO_COUNTS,
@@ -74,7 +75,7 @@ def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def _tick_would(engine: sa.Engine) -> str:
     """What the tick's plan does with the rule now: `start` or `idle`."""
     with engine.connect() as conn:
-        plan = plan_tick(conn, utcnow(), dead_after())
+        plan = plan_tick(conn, utcnow(), dead_chain_after())
     started = [launch.rule for launch in plan.start]
     assert RULE in started + plan.idle, plan
     return "start" if RULE in started else "idle"

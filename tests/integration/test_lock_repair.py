@@ -23,8 +23,9 @@ import flows.lock
 from delivery import liveness
 from delivery.chain import Chain
 from delivery.clock import utcnow
+from delivery.liveness import LEASE_SECONDS, UNACCOUNTED_SECONDS
 from delivery.store import chains, tables
-from flows.lock import LEASE_SECONDS, acquire_lease, release_lease, rule_lock
+from flows.lock import acquire_lease, release_lease, rule_lock
 from tests.integration.locks import own_rule_lock
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
@@ -145,11 +146,11 @@ def _repair(world: World, name: str, *, repossessor: bool) -> tuple[flows.lock.L
 def test_without_a_repossessor_an_unaccounted_slot_is_freed_once_any_lease_has_expired(world: World, name: str) -> None:
     _take(name)  # and never released: its holder was killed before it recorded itself
     repair, clock = _repair(world, name, repossessor=False)
-    for seconds in (0, 1, LEASE_SECONDS / 2, LEASE_SECONDS, flows.lock.UNACCOUNTED_SECONDS - 1):
+    for seconds in (0, 1, LEASE_SECONDS / 2, LEASE_SECONDS, UNACCOUNTED_SECONDS - 1):
         clock.now = 1000.0 + seconds
         asyncio.run(repair.after_wait())
         assert _active_slots(name) == 1, f"reset {seconds} s after it was first seen unaccounted"
-    clock.now = 1000.0 + flows.lock.UNACCOUNTED_SECONDS + 1
+    clock.now = 1000.0 + UNACCOUNTED_SECONDS + 1
     asyncio.run(repair.after_wait())
     assert _active_slots(name) == 0
 
@@ -160,10 +161,10 @@ def test_a_holder_on_record_again_restarts_the_unaccounted_time(world: World, na
     asyncio.run(repair.after_wait())
     holder = Chain(world.engine, RULE)
     liveness.record_lock(world.engine, holder.token, others[0])  # a live holder (this process)
-    clock.now += flows.lock.UNACCOUNTED_SECONDS / 2
+    clock.now += UNACCOUNTED_SECONDS / 2
     asyncio.run(repair.after_wait())
     liveness.record_lock(world.engine, holder.token, None)
-    clock.now += flows.lock.UNACCOUNTED_SECONDS / 2 + 1
+    clock.now += UNACCOUNTED_SECONDS / 2 + 1
     asyncio.run(repair.after_wait())
     assert _active_slots(name) == 1  # unaccounted for only since the holder left the record
 
@@ -171,7 +172,7 @@ def test_a_holder_on_record_again_restarts_the_unaccounted_time(world: World, na
 def test_with_a_repossessor_an_unaccounted_slot_is_left_to_lease_expiry(world: World, name: str) -> None:
     _take(name)
     repair, clock = _repair(world, name, repossessor=True)
-    for seconds in (0, flows.lock.UNACCOUNTED_SECONDS + 1, 10 * flows.lock.UNACCOUNTED_SECONDS):
+    for seconds in (0, UNACCOUNTED_SECONDS + 1, 10 * UNACCOUNTED_SECONDS):
         clock.now = 1000.0 + seconds
         asyncio.run(repair.after_wait())
     assert _active_slots(name) == 1

@@ -24,12 +24,13 @@ from delivery import liveness
 from delivery.breaker import BreakerListener, TargetBreaker
 from delivery.clock import utcnow
 from delivery.errors import MissingWriter, TargetUnavailable
+from delivery.liveness import LEASE_SECONDS
 from delivery.store import catalog, chains
 from delivery.store.breaker import DatabaseBreakerStorage
 from delivery.store.tables import breaker_states, connections, rules
 from flows.cli import app
 from flows.deliver_rule import deliver_rule, fault_state_name, launched, records_artifact_key
-from flows.lock import LEASE_SECONDS, acquire_lease
+from flows.lock import acquire_lease
 from flows.parked_artifact import parked_artifact_key
 from tests.integration.locks import own_rule_lock
 from tests.integration.runs import child_runs, run_artifacts, run_logs, run_state, run_tags

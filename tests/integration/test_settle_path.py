@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from delivery import chain as chain_module
-from delivery import db
+from delivery import db, liveness
 from delivery.breaker import TargetBreaker
 from delivery.chain import Chain
 from delivery.clock import utcnow
@@ -167,7 +166,7 @@ def test_the_heartbeat_moves_during_a_long_batch_but_not_per_record(world: World
 def test_a_fast_batch_writes_the_heartbeat_as_the_job_starts_and_as_the_cursor_moves(
     world: World, beats: list[float], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(chain_module, "HEARTBEAT_SECONDS", 3600.0)
+    monkeypatch.setattr(liveness, "HEARTBEAT_SECONDS", 3600.0)
     world.load(*[f"r{n}" for n in range(10)])
     chain = Chain(world.engine, RULE)
     assert chain.open() is None

@@ -114,3 +114,29 @@ def test_only_the_private_module_touches_pybreaker_internals() -> None:
                     ]
     assert scanned >= 5, "the scan found too few breaker modules: it no longer recognises them"
     assert offenders == []
+
+
+#: The breaker's modules: its rules, its shared state, and the wall around pybreaker's internals.
+BREAKER_MODULES = {"delivery/breaker.py", "delivery/store/breaker.py", "delivery/pybreaker_private.py"}
+
+
+def _imports_pybreaker(tree: ast.Module) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "pybreaker" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pybreaker":
+            return True
+    return False
+
+
+def test_only_the_breaker_modules_import_pybreaker() -> None:
+    """One module owns the breaker's rules: a module that needs to know what a refused call or an
+    open breaker is asks `delivery.breaker` (`Refused`, `OPEN`, `outage_change`), so no rule of the
+    breaker grows beside it, and a pybreaker upgrade is read in three files."""
+    importers = {
+        str(path.relative_to(ROOT))
+        for package in ("delivery", "flows", "playground")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if _imports_pybreaker(ast.parse(path.read_text(), str(path)))
+    }
+    assert importers == BREAKER_MODULES

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from delivery import db, tick
+from delivery import db, liveness
 from delivery.domain import Connection, ConnectionStatus
 from delivery.errors import InputError
 from delivery.settings import Settings, SettingsError, dead_chain_minutes, env_name, secret, settings
@@ -47,7 +47,7 @@ def test_defaults(clean: pytest.MonkeyPatch) -> None:
         batch_timeout_seconds=600.0,
     )
     assert db.database_url() == db.DEFAULT_URL == "sqlite:///delivery.db"
-    assert tick.dead_after() == timedelta(minutes=15)
+    assert liveness.dead_chain_after() == timedelta(minutes=15)
 
 
 @pytest.mark.parametrize("field", NUMBERS)
@@ -69,8 +69,8 @@ def test_the_database_url_is_read_and_given_the_psycopg_driver(clean: pytest.Mon
 
 def test_the_dead_chain_threshold_follows_its_variable(clean: pytest.MonkeyPatch) -> None:
     clean.setenv("DELIVERY_DEAD_CHAIN_MINUTES", "2")
-    assert tick.dead_after() == timedelta(minutes=2)
-    assert tick.dead_after(5) == timedelta(minutes=5)  # the CLI's --dead-after-minutes wins
+    assert liveness.dead_chain_after() == timedelta(minutes=2)
+    assert liveness.dead_chain_after(5) == timedelta(minutes=5)  # the CLI's --dead-after-minutes wins
 
 
 def test_only_the_upper_case_names_are_ours(clean: pytest.MonkeyPatch) -> None:
