@@ -36,6 +36,7 @@ from delivery.chain import Chain
 from delivery.db import shared_engine
 from delivery.domain import BatchReport, ChainEnd, ChainReport, Cursor, LedgerStatus, Phase
 from delivery.errors import RuleFault, UnknownName
+from delivery.phase import PhaseJobs
 from delivery.settings import settings
 from delivery.store import chains, ledger
 from flows.breaker_events import RunBreakerListener
@@ -111,11 +112,8 @@ async def _run_phase(token: str, phase: Phase) -> ChainEnd | None:
     logger = get_run_logger()
     chain_logger = _run_loggers.get(token) or logger
     batch = delivery_batch.with_options(timeout_seconds=batch_timeout_seconds())
-    number = 0
-    # A job only when its page has something (read without the lock, a hint): no empty task runs and
-    # no "0 attempted" lines. The lock's holder decides for good; an emptied page returns at once.
-    while chain.has_work(phase):
-        number += 1
+    jobs = PhaseJobs(chain, phase)
+    while (number := jobs.next_job()) is not None:
         async with rule_lock(chain, _run_loggers.get(token)):  # one job of the rule at a time; waiting writes nothing
             # Untagged: Prefect takes a tag concurrency slot (an API call and a client of its own) for
             # every tagged task run. The flow runs carry the rule's tags; the batches are found in them.
@@ -129,9 +127,8 @@ async def _run_phase(token: str, phase: Phase) -> ChainEnd | None:
                 chain.rule.name, phase.value, number, report.waited_seconds, chain.rule.target.name,
             )  # fmt: skip
         _tell_left_behind(chain_logger, chain.rule.name, report)
-        if report.ends_phase(chain.rule.batch_size):
-            return report.ended_by
-    return None
+        jobs.record(report)
+    return jobs.ended_by
 
 
 async def _run_subflow(token: str, phase: Phase) -> ChainEnd | State[Any] | None:
