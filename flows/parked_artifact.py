@@ -205,6 +205,12 @@ def parked_markdown(engine: sa.Engine, rule_name: str) -> tuple[str, str]:
     return "\n".join(lines), title
 
 
+def has_parked_set(engine: sa.Engine, rule_id: int) -> bool:
+    """Whether the rule has any row in its parked set (parked or failed), on the index alone."""
+    with engine.connect().execution_options(readonly=True) as conn:
+        return any(ledger.parked_counts(conn, rule_id).values())
+
+
 async def publish_parked_set(engine: sa.Engine, rule_name: str) -> None:
     """Publish the `parked-RULE` artifact: the rule's parked set as it stands now. For the end of
     every chain of the rule. Raises `UnknownName` for a rule that does not exist."""
