@@ -29,6 +29,7 @@ from delivery.apply import apply_config
 from delivery.chain import Chain
 from delivery.config import parse_config
 from delivery.domain import ChainEnd, MirrorInput, Phase
+from delivery.phase import run_phase
 from delivery.store.mirror import load_records
 
 
@@ -37,11 +38,8 @@ def drive(engine: sa.Engine, rule: str) -> dict[str, Any]:
     chain = Chain(engine, rule)
     ended = chain.open()
     for phase in (Phase.DRAIN, Phase.SCAN):
-        while ended is None:
-            job = chain.run_batch(phase)
-            ended = job.ended_by
-            if job.ends_phase(chain.rule.batch_size):
-                break
+        if ended is None:
+            ended = run_phase(chain, phase, chain.run_batch)
     report = chain.finish()
     if report.ended_by is not ChainEnd.CAUGHT_UP:
         raise RuntimeError(f"{rule}: the chain ended {report.ended_by.value}: {report.message}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -207,25 +208,33 @@ def ensure_schema(engine: sa.Engine) -> None:
 
 
 _engines: dict[str, sa.Engine] = {}
+#: A warm worker starts several chains at once on threads of its own (flows/worker.py): without
+#: the lock, each could make its own engine on first use, and all but one pool would leak.
+_engines_lock = threading.Lock()
 
 
 def shared_engine(url: str | None = None) -> sa.Engine:
     """One engine (one pool) per database per process, migrated on first use."""
     origin = DATABASE_URL_ENV if url is None else "database URL"
     url = url or database_url()
-    if url not in _engines:
-        engine = create_engine(url)
-        try:
-            check_connection(engine, origin)
-        except DeliveryError:
-            engine.dispose()
-            raise
-        ensure_schema(engine)
-        _engines[url] = engine
-    return _engines[url]
+    engine = _engines.get(url)
+    if engine is not None:
+        return engine
+    with _engines_lock:
+        if url not in _engines:
+            engine = create_engine(url)
+            try:
+                check_connection(engine, origin)
+            except DeliveryError:
+                engine.dispose()
+                raise
+            ensure_schema(engine)
+            _engines[url] = engine
+        return _engines[url]
 
 
 def dispose_engines() -> None:
-    for engine in _engines.values():
-        engine.dispose()
-    _engines.clear()
+    with _engines_lock:
+        for engine in _engines.values():
+            engine.dispose()
+        _engines.clear()

@@ -4,45 +4,42 @@ drain and scan are subflows; every batch (job) is one task, never one task per r
 per-task overhead would cap throughput). No retries anywhere: a task timeout fails the chain like
 any exception, because every exception that leaves a job is a fault of the rule that a second
 attempt would meet again (ADR-0029).
+
+This module wires the chain into Prefect and decides the run's state; what the run tells the
+operator besides (its name and tags, artifacts, events, the log lines of jobs and records, the
+summary of `delivery run`) is `flows/chain_reporting.py`, and when a phase is done is
+`delivery/phase.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import re
-import shlex
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
-from uuid import UUID
 
 import anyio
-from prefect import flow, get_client, get_run_logger, tags, task
-from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
+from prefect import flow, get_run_logger, tags, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas import State
 from prefect.context import FlowRunContext, TagsContext
-from prefect.events import emit_event
 from prefect.exceptions import Abort, CancelledRun, TerminationSignal
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, Completed, Failed
 
 from delivery import liveness
-from delivery.alerts import TELLING, transition
 from delivery.chain import Chain
 from delivery.db import shared_engine
-from delivery.domain import BatchReport, ChainEnd, ChainReport, Cursor, LedgerStatus, Phase
-from delivery.errors import RuleFault, UnknownName
+from delivery.domain import BatchReport, ChainEnd, Phase
+from delivery.errors import RuleFault
+from delivery.phase import PhaseJobs
 from delivery.settings import settings
-from delivery.store import chains, ledger
 from flows.breaker_events import RunBreakerListener
+from flows.chain_reporting import ChainReporter, rule_tags, summary
 from flows.lock import rule_lock
-from flows.parked_artifact import publish_parked_set
 from flows.secrets import read_secret_block
-from flows.status_artifact import publish_status
 from flows.traffic_events import RunTrafficListener
 
 #: What a chain stopped from outside raises: Ctrl-C, SIGTERM (Prefect turns it into a
@@ -58,12 +55,11 @@ CANCELLATIONS: tuple[type[BaseException], ...] = (
     CancelledRun,
 )
 
-# Chains in progress in this process, by token: tasks and subflows receive the token, not the
-# Chain object, so that nothing unserialisable travels through Prefect's parameter handling.
-_chains: dict[str, Chain] = {}
-#: The `deliver-rule` run's logger per chain token: what the operator must see (lock waits and
-#: repairs, a breaker trip) goes to the chain's own run, not to the drain or scan subflow's.
-_run_loggers: dict[str, logging.LoggerAdapter[Any]] = {}
+#: The chain this flow run runs, with its reporter, for its subflows and batch tasks. They receive
+#: the chain's token (a parameter Prefect records), never the Chain, which nothing should have to
+#: serialise; a context variable rather than a registry by token, because a warm worker runs many
+#: chains in one process, each on a thread and in a context of its own (flows/worker.py).
+_running: ContextVar[ChainReporter | None] = ContextVar("delivery_running_chain", default=None)
 
 #: The Completed state's name per chain end: the run list tells the endings apart at a glance
 #: (the type stays COMPLETED: none of them is a fault, ADR-0029).
@@ -76,9 +72,6 @@ STATE_NAMES = {
     ChainEnd.RATE_LIMITED: "RateLimited",
 }
 
-#: How many parked or failed records a chain's records artifact lists (the total is given too).
-RECORDS_LISTED = 200
-
 
 def batch_timeout_seconds() -> float:
     return settings().batch_timeout_seconds
@@ -87,51 +80,31 @@ def batch_timeout_seconds() -> float:
 @task(name="delivery-batch", retries=0, cache_policy=NO_CACHE, persist_result=False)
 def delivery_batch(token: str, phase: Phase) -> BatchReport:
     """One job of the chain."""
-    return _chains[token].run_batch(phase)
+    return _reporter(token).chain.run_batch(phase)
 
 
-def tally(counts: Mapping[str, int]) -> str:
-    """`4 delivered, 1 exhausted`: counts in words, in the ledger's order of statuses."""
-    return ", ".join(f"{counts[s.value]} {s.value}" for s in LedgerStatus if counts.get(s.value)) or "nothing"
-
-
-def _tell_left_behind(logger: Any, rule: str, report: BatchReport) -> None:
-    """One WARNING per record the job parked or left failed, with why: parking is never silent."""
-    for left in report.left_behind:
-        why = " ".join((left.error or "no error recorded").split())[:300]
-        if left.status is LedgerStatus.FAILED:
-            due = left.next_attempt_at.isoformat(timespec="seconds") if left.next_attempt_at else "not set"
-            logger.warning("rule %s: record %s failed, next attempt %s: %s", rule, left.external_id, due, why)
-        else:
-            logger.warning("rule %s: record %s parked as %s: %s", rule, left.external_id, left.status.value, why)
+def _reporter(token: str) -> ChainReporter:
+    reporter = _running.get()
+    if reporter is None or reporter.chain.token != token:
+        raise RuntimeError(f"chain {token} is not the one this flow run runs: a subflow or batch started on its own?")
+    return reporter
 
 
 async def _run_phase(token: str, phase: Phase) -> ChainEnd | None:
-    chain = _chains[token]
+    reporter = _reporter(token)
+    chain = reporter.chain
     logger = get_run_logger()
-    chain_logger = _run_loggers.get(token) or logger
     batch = delivery_batch.with_options(timeout_seconds=batch_timeout_seconds())
-    number = 0
-    # A job only when its page has something (read without the lock, a hint): no empty task runs and
-    # no "0 attempted" lines. The lock's holder decides for good; an emptied page returns at once.
-    while chain.has_work(phase):
-        number += 1
-        async with rule_lock(chain, _run_loggers.get(token)):  # one job of the rule at a time; waiting writes nothing
+    jobs = PhaseJobs(chain, phase)
+    while (number := jobs.next_job()) is not None:
+        async with rule_lock(chain, reporter.run_logger):  # one job of the rule at a time; waiting writes nothing
             # Untagged: Prefect takes a tag concurrency slot (an API call and a client of its own) for
             # every tagged task run. The flow runs carry the rule's tags; the batches are found in them.
             with TagsContext(current_tags=set()):
                 report = batch.with_options(task_run_name=f"{phase.value}-batch-{number}")(token, phase)
-        if report.attempted:
-            logger.info("%s batch %d: %d records: %s", phase.value, number, report.attempted, tally(report.counts))
-        if report.waited_seconds >= 0.05:
-            chain_logger.info(
-                "rule %s: %s batch %d waited %.1f s for target %s's traffic (its rate budget or a pause)",
-                chain.rule.name, phase.value, number, report.waited_seconds, chain.rule.target.name,
-            )  # fmt: skip
-        _tell_left_behind(chain_logger, chain.rule.name, report)
-        if report.ends_phase(chain.rule.batch_size):
-            return report.ended_by
-    return None
+        reporter.job_done(logger, phase, number, report)
+        jobs.record(report)
+    return jobs.ended_by
 
 
 async def _run_subflow(token: str, phase: Phase) -> ChainEnd | State[Any] | None:
@@ -154,168 +127,10 @@ async def scan(token: str) -> ChainEnd | State[Any] | None:
     return await _run_subflow(token, Phase.SCAN)
 
 
-def _artifact_key(rule: str) -> str:
-    return "chain-" + (re.sub(r"[^a-z0-9-]+", "-", rule.lower()).strip("-") or "rule")
-
-
-async def _publish(report: ChainReport) -> None:
-    rows = [
-        {
-            "outcome": status.value,
-            "drained": report.drained.get(status.value, 0),
-            "scanned": report.scanned.get(status.value, 0),
-            "total": report.counts.get(status.value, 0),
-        }
-        for status in LedgerStatus
-    ]
-    description = (
-        f"**{report.rule}** ended by `{report.ended_by.value}`: {report.message or 'caught up'}\n\n"
-        f"cursor before: {_cursor_words(report.cursor_before)}  \n"
-        f"cursor after: {_cursor_words(report.cursor_after)}  \njobs: {report.batches}"
-        + (f"  \nwaited for the target's traffic: {report.waited_seconds:.1f} s" if report.waited_seconds else "")
-    )
-    await acreate_table_artifact(table=rows, key=_artifact_key(report.rule), description=description)
-
-
-def _cursor_words(cursor: Cursor | None) -> str:
-    if cursor is None:
-        return "none yet (the scan starts from the first change)"
-    return f"changes up to {cursor.changed_at.isoformat(timespec='seconds')} (record {cursor.record_id})"
-
-
-def records_artifact_key(rule: str) -> str:
-    return _artifact_key(rule) + "-records"
-
-
-def requeue_command(rule: str, statuses: list[str], since: str) -> str:
-    """The `delivery requeue` command line that selects exactly the rows a chain left behind: the
-    rule's rows in those statuses written since the chain started."""
-    words = ["delivery", "requeue", rule, *(w for s in statuses for w in ("--status", s)), "--since", since]
-    return shlex.join(words)
-
-
-def _cell(value: Any, limit: int = 200) -> str:
-    if value is None:
-        return "-"
-    text = value.isoformat(timespec="seconds") if hasattr(value, "isoformat") else str(value)
-    text = " ".join(text.split())[:limit]
-    return text.replace("\\", "\\\\").replace("|", "\\|") or "-"
-
-
-async def _publish_records(chain: Chain) -> None:
-    """The `chain-RULE-records` artifact: the records this chain parked or left failed (the first
-    `RECORDS_LISTED`, and how many in all), and the `delivery requeue` command that puts them back.
-    Published after every chain, so the key's latest version always speaks of the latest chain.
-    last_error is redacted when it is written."""
-    rule = chain.rule
-    with chain.engine.connect().execution_options(readonly=True) as conn:
-        rows, counts = ledger.left_behind_since(conn, rule.id, chain.started_at, RECORDS_LISTED)
-    total = sum(counts.values())
-    since = chain.started_at.isoformat()
-    if total == 0:
-        markdown = f"**{rule.name}**: this chain (started {since}) parked no record and left none failed."
-    else:
-        statuses = [s.value for s in ledger.LEFT_BEHIND if counts.get(s.value)]
-        tally = ", ".join(f"{counts[s]} {s}" for s in statuses)
-        lines = [
-            f"**{rule.name}**: this chain (started {since}) parked or left failed **{total}** record(s): {tally}.",
-            "",
-            "Put them back (each becomes a retry due now, attempts reset; `--dry-run` lists them first; "
-            "rows a later chain parks are selected too):",
-            "",
-            "```bash",
-            requeue_command(rule.name, statuses, since),
-            "```",
-            "",
-            "| external id | status | attempts | last error | next attempt |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        lines += [
-            f"| {_cell(r['external_id'])} | {r['status']} | {r['attempts']} | {_cell(r['last_error'])} "
-            f"| {_cell(r['next_attempt_at'])} |"
-            for r in rows
-        ]
-        if total > len(rows):
-            lines += ["", f"The first {len(rows)} of {total} are listed; `delivery ledger --rule` shows them all."]
-        markdown = "\n".join(lines)
-    await acreate_markdown_artifact(
-        markdown=markdown,
-        key=records_artifact_key(rule.name),
-        description=f"Records {rule.name}'s chain parked or left failed ({total})",
-    )
-
-
 def fault_state_name(exc: BaseException) -> str:
     """A Failed run's state name: the fault's class (`MissingWriter`, ...); a batch that ran out of
     time is `TimedOut`, as Prefect names the task that did."""
     return "TimedOut" if isinstance(exc, TimeoutError) else type(exc).__name__
-
-
-def _announce(chain: Chain, report: ChainReport) -> None:
-    """Emit a Prefect event when the rule's health changes; the automations in
-    `automations/rule-failing.yaml` and `rule-recovered.yaml` turn these into notifications."""
-    with chain.engine.connect().execution_options(readonly=True) as conn:
-        previous = chains.previous_end(conn, chain.rule.id, chain.token, [end.value for end in TELLING])
-    change = transition(previous, report.ended_by)
-    if change is None:
-        return
-    emit_event(
-        event=change.value,
-        resource={
-            "prefect.resource.id": f"delivery.rule.{chain.rule.name}",
-            "prefect.resource.name": chain.rule.name,
-            "delivery.target": chain.rule.target.name,
-        },
-        payload={"ended_by": report.ended_by.value, "message": report.message, "previous": previous},
-    )
-
-
-def rule_tags(chain: Chain) -> list[str]:
-    return [f"rule:{chain.rule.name}", f"target:{chain.rule.target.name}"]
-
-
-async def _label_run(chain: Chain) -> None:
-    """Name and tag the run after the rule and target, so operators can filter on them."""
-    run_id = flow_run.get_id()
-    if run_id is None:
-        return
-    name = f"{chain.rule.name} -> {chain.rule.target.name}"
-    tags = sorted({*flow_run.get_tags(), *rule_tags(chain)})
-    if flow_run.get_name() == name and set(tags) <= set(flow_run.get_tags()):
-        return  # created so by the tick (flow_run_name, tags): nothing to rename afterwards
-    async with get_client() as client:
-        await client.update_flow_run(UUID(run_id), name=name, tags=tags)
-
-
-#: The tags `ending_tags` sets, replaced whole when a retried run ends again.
-ENDING_TAG_PREFIXES = ("ended:", "fault:", "parked:", "failed:")
-
-
-def ending_tags(report: ChainReport, fault: str | None = None) -> list[str]:
-    """Tags that say how the chain ended, for the runs list and its tag filter: `ended:ENDING`
-    always, `fault:CLASS` for a rule fault, `parked:N` and `failed:N` for records it parked or left
-    failed. The state name alone does not serve: Prefect's state filter and its automations know
-    only their own state names (a Failed run named otherwise is not found as Failed)."""
-    tags = [f"ended:{report.ended_by.value}"]
-    if fault is not None:
-        tags.append(f"fault:{fault}")
-    parked = report.counts.get(LedgerStatus.EXHAUSTED.value, 0) + report.counts.get(LedgerStatus.REMOTE_GONE.value, 0)
-    if parked:
-        tags.append(f"parked:{parked}")
-    if failed := report.counts.get(LedgerStatus.FAILED.value, 0):
-        tags.append(f"failed:{failed}")
-    return tags
-
-
-async def _tag_ending(chain: Chain, report: ChainReport, fault: str | None = None) -> None:
-    run_id = flow_run.get_id()
-    if run_id is None:
-        return
-    # A retried run's earlier ending goes: the tags say how this run ended last, not before.
-    kept = {t for t in flow_run.get_tags() if not t.startswith(ENDING_TAG_PREFIXES)}
-    tags = sorted({*kept, *rule_tags(chain), *ending_tags(report, fault)})
-    async with get_client() as client:
-        await client.update_flow_run(UUID(run_id), tags=tags)
 
 
 #: The flow run's context key under which the tick hands a launched run its chain token (see
@@ -391,48 +206,24 @@ async def deliver_rule(rule: str) -> State[Any]:
     chain = _start_chain(rule, run_id, [breakers], [RunTrafficListener(rule, run_id, logger)])
     if not isinstance(chain, Chain):
         return chain
-    _chains[chain.token] = chain
-    _run_loggers[chain.token] = logger  # type: ignore[assignment]
+    reporter = ChainReporter(chain, logger)
+    running = _running.set(reporter)
+    stopped: BaseException | None = None
     try:
-        await _label_run(chain)
-        # A subflow's Cancelled state reaches us as CancelledRun, never as a value.
+        await reporter.begin()
         # The token is read now, from a Secret block too: a token changed in the UI counts from this chain.
         ended: ChainEnd | State[Any] | None = chain.open(secrets=read_secret_block)
         with tags(*rule_tags(chain)):
+            # A subflow's Cancelled state reaches us as CancelledRun, never as a value.
             if ended is None:
                 ended = await drain.with_options(flow_run_name=f"{rule} · drain")(chain.token)
             if ended is None:
                 ended = await scan.with_options(flow_run_name=f"{rule} · scan")(chain.token)
-    except CANCELLATIONS as exc:
-        return await _cancelled(chain, exc)
     except BaseException as exc:
-        report = chain.finish(exc)
-        if not isinstance(exc, Exception):
-            await _close(chain, report)
-            raise  # not a fault of the rule (e.g. GeneratorExit): Prefect judges it
-        fault = fault_state_name(exc)
-        await _close(chain, report, fault)
-        message = report.message if report.message.startswith(f"{fault}:") else f"{fault}: {report.message}"
-        remedy = getattr(exc, "remedy", None)
-        if isinstance(exc, RuleFault | TimeoutError):
-            # The fault says it all: one line, no traceback (its text is redacted already).
-            logger.error("chain of %s failed: %s. What to do: %s", rule, message, remedy or TIMED_OUT_REMEDY)
-        else:
-            # Not a fault the engine names: the traceback is for whoever looks into it. Redacted:
-            # Prefect's own traceback of a raised exception would carry its text unmasked.
-            detail = chain.redact("".join(traceback.format_exception(exc)))
-            logger.error("chain of %s failed on an unexpected error: %s\n%s", rule, message, detail)
-        # Returned, not raised, and named plainly `Failed`, so Prefect's Failed filter and automations
-        # find it; the fault's class is the tag `fault:CLASS` and the message's first word. The
-        # exception stays the state's data, so a caller awaiting the flow's result still gets it raised.
-        return Failed(message=message, data=exc)
+        stopped = exc
     finally:
-        _chains.pop(chain.token, None)
-        _run_loggers.pop(chain.token, None)
-    report = chain.finish()
-    await _close(chain, report)
-    logger.info("chain of %s ended by %s: %s", rule, report.ended_by.value, report.message)
-    return Completed(message=report.message, data=report.as_json(), name=STATE_NAMES.get(report.ended_by, "Completed"))
+        _running.reset(running)
+    return await _close(reporter, stopped)
 
 
 #: What to do about a job that ran out of time (a timeout is no RuleFault, so it has no remedy).
@@ -442,52 +233,51 @@ TIMED_OUT_REMEDY = (
 )
 
 
-async def _close(chain: Chain, report: ChainReport, fault: str | None = None) -> None:
-    """Everything a chain's end publishes: its report, the records it left, how it ended as tags,
-    and the rule's health event."""
-    await _publish(report)
-    await _publish_records(chain)
-    await _publish_standing(chain)
-    await _tag_ending(chain, report, fault)
-    _announce(chain, report)
+async def _close(reporter: ChainReporter, stopped: BaseException | None) -> State[Any]:
+    """The one way a chain that began ends, however it ended: record it, publish its end (the
+    reporter), log one line and return the run's state.
 
-
-async def _publish_standing(chain: Chain) -> None:
-    """The artifacts that speak of now rather than of this chain, refreshed as it ends: the rule's
-    `parked-RULE` and the `delivery-status` of every rule (so it is never a tick behind). Neither
-    is the chain's own outcome: a failure to publish them is logged, and the chain ends as it did."""
-    try:
-        with contextlib.suppress(UnknownName):  # a rule retired while its chain ran: nothing stands
-            await publish_parked_set(chain.engine, chain.rule.name)
-        await publish_status()
-    except Exception as exc:
-        get_run_logger().warning(
-            "rule %s: the parked-set or status artifact was not refreshed: %s", chain.rule.name, chain.redact(str(exc))
-        )
-
-
-async def _cancelled(chain: Chain, exc: BaseException) -> State[Any]:
-    """End a chain stopped from outside: no fault, no alert, and nothing more written. The fence
-    is closed first, so a worker of the batch still settling a record finds it closed and stops;
-    then the chain records that it was cancelled. Returning the Cancelled state (rather than
-    raising) is what makes Prefect end the run Cancelled instead of Crashed."""
+    - `stopped` None: the chain ran its course (caught up, or ended by the breaker, a closed route,
+      ...): Completed, named after the ending.
+    - one of `CANCELLATIONS`: stopped from outside, no fault and no alert. The fence is closed
+      first, so a worker of the batch still settling a record finds it closed and stops; nothing
+      more is written. Returning the Cancelled state (rather than raising) is what makes Prefect end
+      the run Cancelled instead of Crashed.
+    - any other Exception: a fault of the rule, Failed.
+    - any other BaseException (e.g. GeneratorExit): not a fault of the rule, raised again for
+      Prefect to judge once the end is published."""
+    chain, logger = reporter.chain, reporter.run_logger
+    cancelled = isinstance(stopped, CANCELLATIONS)
+    fault = fault_state_name(stopped) if isinstance(stopped, Exception) and not cancelled else None
     # Shielded: under an anyio cancel scope every await would otherwise be cancelled again.
     with anyio.CancelScope(shield=True):
-        liveness.supersede(chain.engine, chain.rule.id, chain.token, "chain cancelled")
-        report = chain.finish(exc, cancelled=True)
-        await _publish(report)
-        await _publish_records(chain)
-        await _publish_standing(chain)
-        await _tag_ending(chain, report)
-        _announce(chain, report)  # `cancelled` tells nothing about the rule: no event
-    get_run_logger().warning("chain of %s cancelled (%s): nothing more is written", chain.rule.name, type(exc).__name__)
-    return Cancelled(message=report.message, data=report.as_json())
-
-
-def _state_name(state: State[Any]) -> str:
-    if state.is_completed():
-        return "COMPLETED"
-    return "CANCELLED" if state.is_cancelled() else "FAILED"
+        if cancelled:
+            liveness.supersede(chain.engine, chain.rule.id, chain.token, "chain cancelled")
+        report = chain.finish(stopped, cancelled=cancelled)
+        await reporter.close(report, fault)
+    if stopped is None:
+        logger.info("chain of %s ended by %s: %s", chain.rule.name, report.ended_by.value, report.message)
+        name = STATE_NAMES.get(report.ended_by, "Completed")
+        return Completed(message=report.message, data=report.as_json(), name=name)
+    if cancelled:
+        logger.warning("chain of %s cancelled (%s): nothing more is written", chain.rule.name, type(stopped).__name__)
+        return Cancelled(message=report.message, data=report.as_json())
+    if fault is None:
+        raise stopped
+    message = report.message if report.message.startswith(f"{fault}:") else f"{fault}: {report.message}"
+    remedy = getattr(stopped, "remedy", None)
+    if isinstance(stopped, RuleFault | TimeoutError):
+        # The fault says it all: one line, no traceback (its text is redacted already).
+        logger.error("chain of %s failed: %s. What to do: %s", chain.rule.name, message, remedy or TIMED_OUT_REMEDY)
+    else:
+        # Not a fault the engine names: the traceback is for whoever looks into it. Redacted:
+        # Prefect's own traceback of a raised exception would carry its text unmasked.
+        detail = chain.redact("".join(traceback.format_exception(stopped)))
+        logger.error("chain of %s failed on an unexpected error: %s\n%s", chain.rule.name, message, detail)
+    # Returned, not raised, and named plainly `Failed`, so Prefect's Failed filter and automations
+    # find it; the fault's class is the tag `fault:CLASS` and the message's first word. The
+    # exception stays the state's data, so a caller awaiting the flow's result still gets it raised.
+    return Failed(message=message, data=stopped)
 
 
 def run_now(rule: str) -> dict[str, Any]:
@@ -496,22 +286,4 @@ def run_now(rule: str) -> dict[str, Any]:
     async def _run() -> Any:
         return await deliver_rule(rule=rule, return_state=True)
 
-    state = asyncio.run(_run())
-    flow_run_id = str(state.state_details.flow_run_id)
-    with shared_engine().connect().execution_options(readonly=True) as conn:
-        chain = chains.chain_by_flow_run(conn, flow_run_id)
-    report: dict[str, Any] = dict((chain or {}).get("report") or {})
-    empty = {s.value: 0 for s in LedgerStatus}
-    return {
-        "rule": rule,
-        "state": _state_name(state),
-        "ended_by": report.get("ended_by", ChainEnd.RULE_FAULT.value),
-        "message": report.get("message") or state.message or "",
-        "counts": report.get("counts", empty),
-        "drained": report.get("drained", empty),
-        "scanned": report.get("scanned", empty),
-        "cursor_before": report.get("cursor_before"),
-        "cursor_after": report.get("cursor_after"),
-        "waited_seconds": report.get("waited_seconds", 0.0),
-        "flow_run_id": flow_run_id,
-    }
+    return summary(rule, asyncio.run(_run()))

@@ -2,8 +2,10 @@
 
 A chain's `chain-RULE-records` artifact speaks of that chain alone; this one is the rule's standing
 list. It is published under one key per rule, so its latest version is the current state: at the
-end of every chain of the rule, and after every requeue (a dry run changes nothing, so it does not
-publish it). It shows:
+end of every chain of the rule that left records behind or ran while the rule had a parked set
+(`flows.chain_reporting`), and after every requeue (a dry run changes nothing, so it does not
+publish it). A rule with nothing parked before or after a chain keeps the version it has, which
+says so already, or none. It shows:
 
 - how many rows are parked (`exhausted`, `remote_gone`) and how many are `failed` and waiting for
   their next attempt, by status;
@@ -205,9 +207,15 @@ def parked_markdown(engine: sa.Engine, rule_name: str) -> tuple[str, str]:
     return "\n".join(lines), title
 
 
+def has_parked_set(engine: sa.Engine, rule_id: int) -> bool:
+    """Whether the rule has any row in its parked set (parked or failed), on the index alone."""
+    with engine.connect().execution_options(readonly=True) as conn:
+        return any(ledger.parked_counts(conn, rule_id).values())
+
+
 async def publish_parked_set(engine: sa.Engine, rule_name: str) -> None:
     """Publish the `parked-RULE` artifact: the rule's parked set as it stands now. For the end of
-    every chain of the rule. Raises `UnknownName` for a rule that does not exist."""
+    a chain of the rule. Raises `UnknownName` for a rule that does not exist."""
     markdown, description = parked_markdown(engine, rule_name)
     await acreate_markdown_artifact(markdown=markdown, key=parked_artifact_key(rule_name), description=description)
 

@@ -1,7 +1,8 @@
 """The `delivery-status` table artifact: what `delivery status` prints, one row per rule, so the
 Prefect UI alone answers "is everything delivering?". Published at the end of every chain and of
 every tick, so its latest version is never a tick behind: the chains a tick started show how they
-ended as soon as they have, not five minutes later.
+ended as soon as they have, not five minutes later. A process running many chains may space the
+chains' publishes out (`flows.chain_reporting.throttle_status`).
 
 Each row starts with how the rule's last chain ended, as its run's state is named in the UI
 (`CaughtUp`, `BreakerOpen`, `Failed: MissingWriter`, ..., `running`, `never ran`) and since when;

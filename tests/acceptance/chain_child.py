@@ -25,20 +25,23 @@ import time
 import traceback
 
 from delivery import db
+from delivery import phase as phase_rule
 from delivery.chain import Chain
-from delivery.domain import ChainEnd, Phase
+from delivery.domain import BatchReport, ChainEnd, Phase
 
 
 def run_phase(chain: Chain, phase: Phase) -> tuple[ChainEnd | None, int]:
-    """The loop of `flows.deliver_rule._run_phase`: jobs until one ends the chain, the drain's
-    short page, or the scan's empty one. Returns how the chain ended, if it did, and how many
-    records the phase attempted."""
+    """The phase's jobs by the flow's rule (`delivery.phase`). Returns how the chain ended, if it
+    did, and how many records the phase attempted."""
     attempted = 0
-    while True:
+
+    def job(phase: Phase) -> BatchReport:
+        nonlocal attempted
         report = chain.run_batch(phase)
         attempted += report.attempted
-        if report.ends_phase(chain.rule.batch_size):
-            return report.ended_by, attempted
+        return report
+
+    return phase_rule.run_phase(chain, phase, job), attempted
 
 
 def run_chain(url: str, rule: str) -> None:

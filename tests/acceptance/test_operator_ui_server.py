@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 from flows.alerts import AUTOMATIONS_DIR
 from flows.breaker_events import OPENED
+from flows.chain_reporting import records_artifact_key
 from flows.cli import app
-from flows.deliver_rule import records_artifact_key
 from flows.traffic_events import PAUSED, RESUMED
 from tests.integration.runs import run_artifacts, run_logs, run_state
 from tests.integration.world import RULE, World

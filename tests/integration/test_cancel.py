@@ -22,6 +22,7 @@ from uuid import UUID
 import pytest
 import sqlalchemy as sa
 
+import flows.chain_reporting
 import flows.deliver_rule
 from delivery.chain import Chain
 from delivery.clock import utcnow
@@ -48,7 +49,7 @@ def emitted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     def record(*, event: str, **_: Any) -> None:
         events.append(event)
 
-    monkeypatch.setattr(flows.deliver_rule, "emit_event", record)
+    monkeypatch.setattr(flows.chain_reporting, "emit_event", record)
     return events
 
 

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 import yaml
 from typer.testing import CliRunner
 
+import flows.chain_reporting
 import flows.deliver_rule
 from delivery.clock import utcnow
 from delivery.store import chains
@@ -184,7 +185,7 @@ def emitted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         assert resource["prefect.resource.id"] == "delivery.rule.contacts-to-crm"
         events.append(event)
 
-    monkeypatch.setattr(flows.deliver_rule, "emit_event", record)
+    monkeypatch.setattr(flows.chain_reporting, "emit_event", record)
     return events
 
 

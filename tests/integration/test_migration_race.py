@@ -252,3 +252,41 @@ def test_a_new_sqlite_file_waits_for_the_write_lock_to_switch_to_wal(tmp_path: P
         timer.join()
         other.close()
         engine.dispose()
+
+
+def test_threads_of_one_process_opening_a_database_together_share_one_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A warm worker starts several chains at once, each on a thread of its own, and each asks for
+    the shared engine first. Making an engine is slowed down here so that, without the lock, every
+    thread would make one (and all but one pool would leak)."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    made: list[sa.Engine] = []
+    real_create_engine = db.create_engine
+
+    def slow_create_engine(url: str | None = None) -> sa.Engine:
+        made.append(real_create_engine(url))
+        time.sleep(0.3)
+        return made[-1]
+
+    monkeypatch.setattr(db, "create_engine", slow_create_engine)
+    threads = 8
+    start = threading.Barrier(threads, timeout=30)
+    got: list[sa.Engine] = []
+
+    def open_it() -> None:
+        start.wait()
+        got.append(db.shared_engine(url))
+
+    racing = [threading.Thread(target=open_it) for _ in range(threads)]
+    try:
+        for thread in racing:
+            thread.start()
+        for thread in racing:
+            thread.join(timeout=60)
+        assert len(got) == threads and len(made) == 1
+        assert all(engine is made[0] for engine in got)
+    finally:
+        db.dispose_engines()
+        for engine in made:
+            engine.dispose()

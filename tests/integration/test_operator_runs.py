@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from typer.testing import CliRunner
 
 import flows.breaker_events
+import flows.chain_reporting
 import flows.deliver_rule
 import flows.lock
 from delivery import liveness
@@ -28,8 +29,9 @@ from delivery.liveness import LEASE_SECONDS
 from delivery.store import catalog, chains
 from delivery.store.breaker import DatabaseBreakerStorage
 from delivery.store.tables import breaker_states, connections, rules
+from flows.chain_reporting import records_artifact_key
 from flows.cli import app
-from flows.deliver_rule import deliver_rule, fault_state_name, launched, records_artifact_key
+from flows.deliver_rule import deliver_rule, fault_state_name, launched
 from flows.lock import acquire_lease
 from flows.parked_artifact import parked_artifact_key
 from tests.integration.locks import own_rule_lock
@@ -212,7 +214,7 @@ def test_the_records_artifact_lists_what_this_chain_left_and_its_requeue_command
     assert first["counts"]["failed"] == 1 and first["counts"]["delivered"] == 1
     remote_gone_id = world.ledger()["gone"]["remote_id"]
 
-    monkeypatch.setattr(flows.deliver_rule, "RECORDS_LISTED", 2)
+    monkeypatch.setattr(flows.chain_reporting, "RECORDS_LISTED", 2)
     world.load("ok", "refused", "unaddressable")
     world.load("gone", changed="yes")
     world.target.program(world.key("refused"), Answer.status(422, {"error": "email | invalid"}))

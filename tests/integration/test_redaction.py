@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from delivery.store.tables import chains, ledger
-from flows.deliver_rule import records_artifact_key
+from flows.chain_reporting import records_artifact_key
 from tests.integration.runs import run_artifacts, run_logs
 from tests.integration.world import RULE, World
 from tests.target_server import Answer, TargetServer, _Reply

@@ -11,6 +11,7 @@ import sqlalchemy as sa
 
 from delivery.chain import Chain
 from delivery.domain import BatchReport, ChainReport, Phase
+from delivery.phase import run_phase
 
 
 def drive(
@@ -26,14 +27,10 @@ def drive(
     chain = Chain(engine, rule, **options)
     try:
         ended = chain.open()
+        hook = None if between_jobs is None else (lambda report: between_jobs(chain, report))
         for phase in (Phase.DRAIN, Phase.SCAN):
-            while ended is None:
-                report = chain.run_batch(phase)
-                ended = report.ended_by
-                if report.ends_phase(chain.rule.batch_size):
-                    break
-                if between_jobs is not None:
-                    between_jobs(chain, report)
+            if ended is None:
+                ended = run_phase(chain, phase, chain.run_batch, hook)
     except Exception as exc:
         chain.finish(exc)
         raise
