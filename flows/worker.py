@@ -58,6 +58,9 @@ DEFAULT_LIMIT = 16
 DEFAULT_POLL_SECONDS = 5.0
 #: How long a stop waits for the runs in flight to end Cancelled before giving up on them.
 STOP_SECONDS = 60.0
+#: A chain's end publishes the delivery-status artifact (every rule's row: its cost grows with the
+#: rules) at most this often, and always when the worker's last chain in flight ends.
+STATUS_EVERY_SECONDS = 30.0
 
 
 def known_flows() -> dict[str, Flow[Any, Any]]:
@@ -329,6 +332,7 @@ def run_worker(
 ) -> int:
     """`delivery worker`: serve the pool until SIGTERM/SIGINT; a second signal exits at once."""
     from flows import prefect_private, stop_signals
+    from flows.chain_reporting import throttle_status
 
     if not os.environ.get("PREFECT_API_URL"):
         raise NoServer(
@@ -338,6 +342,7 @@ def run_worker(
     signals = stop_signals.claim()
     logging.getLogger("prefect.task_runs").addFilter(_NoThreadTimeoutWarning())
     prefect_private.skip_suspension_observers()
+    throttle_status(STATUS_EVERY_SECONDS)
     worker = WarmWorker(pool=pool, limit=limit, poll_seconds=poll_seconds, say=say)
     if name:
         worker.name = name
