@@ -110,6 +110,19 @@ class TargetTraffic:
             if got.paused:
                 self._resume()
 
+    def admits_at_once(self) -> bool:
+        """Whether one more request may go out now without a wait or a database read: the target
+        has no rate budget and the pause last read (at most `PAUSE_READ_SECONDS` ago) holds
+        nothing back. False says only "ask `admit`" (on a thread, from an event loop), which does
+        the read or the wait. What the async job asks first, so that a request costs no thread."""
+        if self.target.rate_limit is not None:
+            return False
+        with self._lock:
+            cached = self._pause
+        if cached is None or time.monotonic() - cached[0] >= PAUSE_READ_SECONDS:
+            return False
+        return cached[1] is None  # a pause, even one just over, is `admit`'s to wait out or end
+
     def pause_end(self, fault: TargetUnavailable, now: datetime) -> datetime:
         """When the pause `fault` asks for ends: its Retry-After, at least `MIN_PAUSE_SECONDS` (a
         `Retry-After: 0` would have every sender ask again at once), capped by the connection."""
