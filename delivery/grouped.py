@@ -72,19 +72,11 @@ class GroupedJob:
                 signals.stop.set()
 
         groups: SettleGroups[_Settle] = SettleGroups(commit, signals.stop.set)
-
-        def step(unit: int, breaker: TargetBreaker, signals: Signals) -> Cut | None:
-            return self._unit(unit, breaker, signals, groups)
-
         fault: BaseException | None = None
         cuts: list[Any] = []
         try:
             try:
-                # Pooled even for one worker: an exception from a step is then a fault of the job
-                # (its gathered outcomes are committed), one raised into this thread an interruption.
-                _, cuts = work_through(
-                    self._units(), self.context.workers, self.context.new_lane, step, signals, pooled=True
-                )
+                cuts = self._deliver(signals, groups)
             except BaseException as exc:
                 if signals.over.is_set():
                     raise  # a timeout or cancellation: the job has ended
@@ -109,6 +101,19 @@ class GroupedJob:
         if self.superseded:
             cuts.append(ChainEnd.SUPERSEDED)
         return [self.statuses.get(i) for i in range(len(self.candidates))], cuts
+
+    def _deliver(self, signals: Signals, groups: SettleGroups[_Settle]) -> list[Any]:
+        """Send the batch, handing outcomes to `groups`; the cuts that ended it early. An exception
+        raised into this thread (a timeout, a cancellation) sets `signals.over` before it leaves;
+        any other is a fault of the job. Nothing of the job's sending runs once it returns."""
+
+        def step(unit: int, breaker: TargetBreaker, signals: Signals) -> Cut | None:
+            return self._unit(unit, breaker, signals, groups)
+
+        # Pooled even for one worker: an exception from a step is then a fault of the job (its
+        # gathered outcomes are committed), one raised into this thread an interruption.
+        _, cuts = work_through(self._units(), self.context.workers, self.context.new_lane, step, signals, pooled=True)
+        return cuts
 
     def _units(self) -> int:
         """How many units of work the workers share: a record each."""
