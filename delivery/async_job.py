@@ -63,27 +63,36 @@ class AsyncJob(GroupedJob):
 
     def _deliver(self, signals: Signals, groups: SettleGroups[_Settle]) -> list[Any]:
         done: dict[str, Any] = {}
+        # Waited on instead of `Thread.join`: an exception raised into a thread inside `join` can
+        # leave the joined thread marked as stopped while it still runs (CPython's join releases
+        # the thread's lock on its way out).
+        finished = threading.Event()
 
         def loop_thread() -> None:
             try:
                 done["cuts"] = asyncio.run(self._send_all(signals, groups))
             except BaseException as exc:  # handed to the calling thread, raised there
                 done["error"] = exc
+            finally:
+                finished.set()
 
         thread = threading.Thread(target=loop_thread, name="delivery-loop", daemon=True)
-        thread.start()
         try:
-            while thread.is_alive():
-                thread.join(WAIT_STEP_SECONDS)  # short steps: a timeout raised here is delivered
+            thread.start()
+            while not finished.wait(WAIT_STEP_SECONDS):  # short steps: a timeout raised here is delivered
+                pass
         except BaseException:
             # Interrupted (the job's timeout, a cancellation): the job ends now. The tasks are
             # cancelled where they wait and the loop is waited for, so nothing of the job runs on.
             signals.over.set()
             signals.stop.set()
             self._cancel_main()
-            while thread.is_alive():
-                thread.join(WAIT_STEP_SECONDS)
+            if thread.ident is not None:  # it started: wait for its loop to close
+                while not finished.wait(WAIT_STEP_SECONDS):
+                    pass
+                thread.join()
             raise
+        thread.join()  # its last steps: the loop has closed
         if "error" in done:
             raise done["error"]
         cuts: list[Any] = done["cuts"]
