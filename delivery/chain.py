@@ -389,16 +389,20 @@ class Chain:
 
     def _job_type(self) -> JobType:
         """The one place a job's way is chosen: by the target's `settle`, and its writer's verbs.
-        A writer with async verbs sends from one event loop (`AsyncJob`) where settles are grouped;
-        on a `per_record` connection it keeps the thread path while it has sync verbs (its settle,
-        one transaction per record, is what bounds that path), and only a writer offering nothing
-        but async verbs is sent from the loop there, each outcome committed before its next record."""
+        A writer with async verbs sends from one event loop (`AsyncJob`) where settles are grouped
+        and the target has no rate budget. It keeps the thread path while it has sync verbs on a
+        `per_record` connection (one transaction per outcome is what bounds that path) and on a
+        target with a budget (which bounds the rate anyway; a request leaving its slot late by a
+        loop's turn on a loaded machine was seen to crowd the next one's second). Only a writer
+        offering nothing but async verbs is always sent from the loop, on a `per_record`
+        connection each outcome committed before its task takes the next record."""
         writer = self._writer
         assert writer is not None
-        grouped = self.rule.target.settle is SettleMode.GROUPED
+        target = self.rule.target
+        grouped = target.settle is SettleMode.GROUPED
         if grouped and offers_batches(writer):
             return BulkJob
-        if offers_async(writer) and (grouped or not single_verbs_of(type(writer))):
+        if offers_async(writer) and (not single_verbs_of(type(writer)) or (grouped and target.rate_limit is None)):
             return AsyncJob
         if grouped:
             return GroupedJob

@@ -301,7 +301,8 @@ class RecordStep:
         *args: Any,
     ) -> Any:
         """`call` for a coroutine verb. Admission costs no thread while the target needs no wait
-        and no read (`TargetTraffic.admits_at_once`); a wait, and a pause's write, go `off_loop`.
+        and no read (`TargetTraffic.admits_at_once`); its database reads and writes (a slot, a
+        pause) go `off_loop`, its waits are spent on the loop (`TargetTraffic.admit_async`).
         The breaker is entered and left on the loop (pybreaker's `calling`, which holds its lock
         only while it decides, not across the call): its database reads are served by the row the
         job's settles read (`Fence.held_for`), and only a failure writes."""
@@ -309,7 +310,7 @@ class RecordStep:
         if traffic is None:
             raise RuntimeError("a step that sends needs the target's traffic control")
         for resend in range(MAX_RESENDS + 1):
-            if not (traffic.admits_at_once() or await off_loop(traffic.admit, bounds)):
+            if not (traffic.admits_at_once() or await traffic.admit_async(bounds, off_loop)):
                 raise Stopped
             try:
                 with breaker.calling():
