@@ -236,3 +236,18 @@ def test_a_third_partys_writer_delivers_on_the_path_its_verbs_ask_for(
         assert commits.count >= len(ids)  # each outcome committed before its task's next record
     else:
         assert commits.count < len(ids)
+
+
+@pytest.mark.parametrize(
+    ("target_options", "job"),
+    [({}, AsyncJob), ({"rate_limit": {"per_second": 10}}, GroupedJob), ({"settle": "per_record"}, PerRecordJob)],
+    ids=["grouped", "rate-budget", "per-record"],
+)
+def test_the_rest_writer_is_sent_from_the_loop_only_on_grouped_targets_without_a_budget(
+    engine: sa.Engine, target: TargetServer, target_options: dict[str, Any], job: type[Any]
+) -> None:
+    World(engine, target).apply(target=target_options)
+    chain = Chain(engine, RULE)
+    assert chain.open() is None
+    assert chain._job_type() is job
+    chain.finish()
