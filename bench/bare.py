@@ -7,6 +7,7 @@ header, and the answer's id is read as the writer does. No database, no breaker,
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Sequence
@@ -61,3 +62,37 @@ def post_all(
     if errors:
         raise errors[0]
     return elapsed
+
+
+def post_all_async(
+    base_url: str, collection: str, records: Sequence[tuple[str, dict[str, Any]]], concurrency: int, key_scope: str
+) -> float:
+    """`post_all` by an asyncio client: one `httpx.AsyncClient` with the same pool, `concurrency`
+    tasks on one event loop each taking the next record (what the engine's async job does, with
+    nothing else): the limit to compare the async path with."""
+
+    async def run() -> float:
+        limits = httpx.Limits(max_connections=max(1, concurrency), max_keepalive_connections=max(1, concurrency))
+        async with httpx.AsyncClient(
+            base_url=base_url.rstrip("/") + "/",
+            headers={"Accept": "application/json", "User-Agent": "delivery-bench"},
+            timeout=httpx.Timeout(10.0),
+            limits=limits,
+        ) as client:
+            pending = iter(range(len(records)))
+
+            async def worker() -> None:
+                while (index := next(pending, None)) is not None:
+                    external_id, body = records[index]
+                    key = policy.idempotency_key(key_scope, external_id, 0)
+                    response = await client.post(collection, json=body, headers={"Idempotency-Key": key})
+                    if response.status_code != 201 or not response.json().get("id"):
+                        raise RuntimeError(
+                            f"bare POST {collection}: HTTP {response.status_code}: {response.text[:200]}"
+                        )
+
+            started = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+            return time.perf_counter() - started
+
+    return asyncio.run(run())

@@ -160,6 +160,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--skip-postgres", action="store_true", help="SQLite only (= --db sqlite); no mirror-size section"
     )
+    parser.add_argument(
+        "--bare-client",
+        choices=sorted(BARE_CLIENTS),
+        default="threads",
+        help="the bare client the engine is compared with: threads sharing an httpx.Client (the thread "
+        "path's limit) or asyncio tasks sharing an httpx.AsyncClient (the async path's); default threads",
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"where to write the results ({DEFAULT_JSON})")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -242,9 +249,14 @@ def _run_client(
     }
 
 
-def run_bare(sandbox: SandboxProcess, n: int, concurrency: int, when: str) -> dict[str, Any]:
-    collection = f"bare_l{sandbox.latency_ms}_c{concurrency}_{when}"
-    return _run_client(sandbox, bare.post_all, "b", collection, n, concurrency)
+#: The bare clients (`--bare-client`): threads sharing one `httpx.Client` (the thread path's
+#: limit), or tasks on one event loop sharing one `httpx.AsyncClient` (the async path's).
+BARE_CLIENTS = {"threads": bare.post_all, "asyncio": bare.post_all_async}
+
+
+def run_bare(sandbox: SandboxProcess, n: int, concurrency: int, when: str, client: str = "threads") -> dict[str, Any]:
+    collection = f"bare_{client}_l{sandbox.latency_ms}_c{concurrency}_{when}"
+    return _run_client(sandbox, BARE_CLIENTS[client], "b", collection, n, concurrency)
 
 
 def add_ratios(row: dict[str, Any], labels: list[str]) -> None:
@@ -572,6 +584,7 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
         "long_latency_ms": args.long_latency_ms,
         "parts": args.parts,
         "engines": [f"{label}/{settle}" for label in args.db for settle in args.settle],
+        "bare_client": args.bare_client,
         "mirror_sizes": args.mirror_sizes if "mirror" in args.parts else [],
         "batch_size": args.batch_size,
         "latency_ms": args.latency_ms,
@@ -611,7 +624,7 @@ def measure_profile(
         # the ratios are taken against the mean of the two, so that a machine whose speed drifts
         # (CPU steal on a VM) biases neither side.
         with failures.section(f"bare {where}"):
-            row["bare_before"] = run_bare(sandbox, args.records, c, "before")
+            row["bare_before"] = run_bare(sandbox, args.records, c, "before", args.bare_client)
             log(f"bare {where}: {row['bare_before']['records_per_s']:,.0f} records/s")
         if profile.engines:
             for label, url in databases.items():
@@ -629,7 +642,7 @@ def measure_profile(
             if "naive" not in row:
                 row["naive"] = {"error": True}
         with failures.section(f"bare {where} (again)"):
-            row["bare_after"] = run_bare(sandbox, max(args.records // 5, 50), c, "after")
+            row["bare_after"] = run_bare(sandbox, max(args.records // 5, 50), c, "after", args.bare_client)
             log(f"bare {where} again: {row['bare_after']['records_per_s']:,.0f} records/s")
         add_ratios(row, labels)
 

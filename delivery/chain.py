@@ -9,7 +9,8 @@ concludes, after every outcome of the batch is committed.
 This module holds the chain's life: it opens and closes the chain, claims the rule and reads each
 job's page, builds the job's narrow context (`delivery.job.JobContext`) and chooses the job, in one
 place (`_job_type`): settled record by record (`delivery.per_record`), in groups
-(`delivery.grouped`), or in batch calls (`delivery.bulk`), peers behind the `delivery.job.Job`
+(`delivery.grouped`), in batch calls (`delivery.bulk`), or sent from one event loop
+(`delivery.async_job`), peers behind the `delivery.job.Job`
 protocol that never import this module. One record's check, plan and send are `delivery.step`'s.
 The orchestration (one Prefect task per batch) lives in `flows/`; this module knows nothing of it.
 """
@@ -25,6 +26,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from delivery import liveness, policy
+from delivery.async_job import AsyncJob
 from delivery.breaker import BreakerListener, TargetBreaker, open_message
 from delivery.bulk import BulkJob, offers_batches
 from delivery.clock import utcnow
@@ -54,7 +56,16 @@ from delivery.step import RecordStep
 from delivery.storable import storable_text
 from delivery.store import catalog, chains, ledger
 from delivery.traffic import TargetTraffic, TrafficListener
-from delivery.writers.base import SecretReader, Writer, accepts_concurrency, token_for, token_problem, token_source
+from delivery.writers.base import (
+    SecretReader,
+    Writer,
+    accepts_concurrency,
+    offers_async,
+    single_verbs_of,
+    token_for,
+    token_problem,
+    token_source,
+)
 from delivery.writers.registry import writer_for
 
 log = logging.getLogger(__name__)
@@ -371,11 +382,23 @@ class Chain:
         return settled, (ChainEnd.SUPERSEDED if ChainEnd.SUPERSEDED in cuts else (cuts[0] if cuts else None))
 
     def _job_type(self) -> JobType:
-        """The one place a job's way is chosen: by the target's `settle`, and its writer's verbs."""
-        assert self._writer is not None
-        if self.rule.target.settle is SettleMode.GROUPED and offers_batches(self._writer):
+        """The one place a job's way is chosen: by the target's `settle`, and its writer's verbs.
+        A writer with async verbs sends from one event loop (`AsyncJob`) where settles are grouped
+        and the target has no rate budget. It keeps the thread path while it has sync verbs on a
+        `per_record` connection (one transaction per outcome is what bounds that path) and on a
+        target with a budget (which bounds the rate anyway; a request leaving its slot late by a
+        loop's turn on a loaded machine was seen to crowd the next one's second). Only a writer
+        offering nothing but async verbs is always sent from the loop, on a `per_record`
+        connection each outcome committed before its task takes the next record."""
+        writer = self._writer
+        assert writer is not None
+        target = self.rule.target
+        grouped = target.settle is SettleMode.GROUPED
+        if grouped and offers_batches(writer):
             return BulkJob
-        if self.rule.target.settle is SettleMode.GROUPED:
+        if offers_async(writer) and (not single_verbs_of(type(writer)) or (grouped and target.rate_limit is None)):
+            return AsyncJob
+        if grouped:
             return GroupedJob
         return PerRecordJob
 

@@ -72,19 +72,11 @@ class GroupedJob:
                 signals.stop.set()
 
         groups: SettleGroups[_Settle] = SettleGroups(commit, signals.stop.set)
-
-        def step(unit: int, breaker: TargetBreaker, signals: Signals) -> Cut | None:
-            return self._unit(unit, breaker, signals, groups)
-
         fault: BaseException | None = None
         cuts: list[Any] = []
         try:
             try:
-                # Pooled even for one worker: an exception from a step is then a fault of the job
-                # (its gathered outcomes are committed), one raised into this thread an interruption.
-                _, cuts = work_through(
-                    self._units(), self.context.workers, self.context.new_lane, step, signals, pooled=True
-                )
+                cuts = self._deliver(signals, groups)
             except BaseException as exc:
                 if signals.over.is_set():
                     raise  # a timeout or cancellation: the job has ended
@@ -109,6 +101,19 @@ class GroupedJob:
         if self.superseded:
             cuts.append(ChainEnd.SUPERSEDED)
         return [self.statuses.get(i) for i in range(len(self.candidates))], cuts
+
+    def _deliver(self, signals: Signals, groups: SettleGroups[_Settle]) -> list[Any]:
+        """Send the batch, handing outcomes to `groups`; the cuts that ended it early. An exception
+        raised into this thread (a timeout, a cancellation) sets `signals.over` before it leaves;
+        any other is a fault of the job. Nothing of the job's sending runs once it returns."""
+
+        def step(unit: int, breaker: TargetBreaker, signals: Signals) -> Cut | None:
+            return self._unit(unit, breaker, signals, groups)
+
+        # Pooled even for one worker: an exception from a step is then a fault of the job (its
+        # gathered outcomes are committed), one raised into this thread an interruption.
+        _, cuts = work_through(self._units(), self.context.workers, self.context.new_lane, step, signals, pooled=True)
+        return cuts
 
     def _units(self) -> int:
         """How many units of work the workers share: a record each."""
@@ -161,24 +166,25 @@ class GroupedJob:
         any of them is sent."""
         context, step = self.context, self.context.step
         indices = self.window(window)
-        creates: list[int] = []
+        creates: list[tuple[int, Send]] = []
         updates: list[int] = []
         for i in indices:
             step.check(self.candidates[i], self.phase)
             plan = self.plans[i] = step.plan(self.candidates[i])
-            if isinstance(plan, Send):
-                (creates if plan.verb is Verb.CREATE else updates).append(i)
+            if isinstance(plan, Send) and plan.verb is Verb.CREATE:
+                creates.append((i, plan))
+            elif isinstance(plan, Send):
+                updates.append(i)
         if creates or updates:
             intents: dict[int, LedgerRow | None] = {}
             with context.engine.begin() as conn:
                 if not context.fenced_lanes(conn):
                     self.superseded = True
                     return
-                for i in creates:
-                    plan = self.plans[i]
-                    assert isinstance(plan, Send)
-                    intents[i] = context.write_intent(conn, self.candidates[i], plan)
-                # One statement for the updates' doubt: a window may hold fifty of them.
+                # One executemany for the creates' new rows, one statement for the updates' doubt:
+                # a window may hold fifty of either.
+                made = context.write_create_intents(conn, [(self.candidates[i], plan) for i, plan in creates])
+                intents.update(zip((i for i, _ in creates), made, strict=True))
                 rows = [self.candidates[i].ledger for i in updates]
                 marked = ledger.record_update_intents(conn, [row for row in rows if row is not None])
                 intents.update(zip(updates, marked, strict=True))
@@ -214,8 +220,9 @@ class GroupedJob:
                 return False
             now = context.clock()
             settled: dict[int, LedgerStatus | None] = {}
-            for item in group:
-                if ledger.settle(conn, context.rule, item.candidate, item.outcome, now):
+            written = ledger.settle_many(conn, context.rule, [(item.candidate, item.outcome) for item in group], now)
+            for item, done in zip(group, written, strict=True):
+                if done:
                     settled[item.index] = item.outcome.status
                 else:
                     settled[item.index] = None

@@ -135,6 +135,15 @@ class JobContext:
         assert candidate.ledger is not None  # an update has a row holding the remote id
         return ledger.record_update_intents(conn, [candidate.ledger])[0]
 
+    def write_create_intents(
+        self, conn: sa.Connection, creates: Sequence[tuple[Candidate, Send]]
+    ) -> list[LedgerRow | None]:
+        """`write_intent` for many creates at once (a window's), new rows in one executemany (see
+        `ledger.record_create_intents`)."""
+        now = self.clock()
+        items = [(candidate, plan.digest, plan.follow_up) for candidate, plan in creates]
+        return ledger.record_create_intents(conn, self.rule, items, now)
+
     def left_to_requeue(self, candidate: Candidate, when: str) -> None:
         """A row whose version moved since the page was read: a requeue wrote it, and it stands."""
         log.warning(

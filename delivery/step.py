@@ -9,7 +9,7 @@ record (`delivery.per_record`), in groups (`delivery.grouped`) or after batch ca
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Generator
 from datetime import datetime
 from typing import Any
 
@@ -28,7 +28,7 @@ from delivery.errors import (
 from delivery.redact import redact
 from delivery.storable import storable_text
 from delivery.traffic import MAX_RESENDS, JobBounds, TargetTraffic
-from delivery.writers.base import Creates, Updates, Writer
+from delivery.writers.base import Creates, CreatesAsync, Updates, UpdatesAsync, Writer
 
 #: Written on a delivered row when a create may have been answered with an older body and the
 #: target's writer cannot update: an operator should know the target may hold a stale copy.
@@ -48,6 +48,10 @@ class Send:
     body: dict[str, Any]
     digest: str
     follow_up: bool = False
+
+
+#: Runs a blocking call on a thread and awaits it (the async job's; see `RecordStep.call_async`).
+OffLoop = Callable[..., Awaitable[Any]]
 
 
 class Stopped(Exception):
@@ -157,7 +161,73 @@ class RecordStep:
         or None (see `carry_out`). The outcome is reckoned from the row as the page read it: the
         intent written before the send (the candidate then carries it, for the settle's version
         check) is no outcome."""
+        sending = self._sending(candidate, plan, breaker, asynchronous=False)
+        answer: Any = None
+        error: Exception | None = None
+        while True:
+            try:
+                verb, args = sending.send(answer) if error is None else sending.throw(error)
+            except StopIteration as done:
+                result: Outcome | ChainEnd | None = done.value
+                return result
+            method = self.writer.create if verb is Verb.CREATE else self.writer.update  # type: ignore[attr-defined]
+            try:
+                answer, error = self.call(breaker, bounds, method, *args), None
+            except Exception as exc:
+                answer, error = None, exc
+
+    async def carry_out_async(
+        self,
+        candidate: Candidate,
+        plan: Outcome | Send,
+        intent: LedgerRow | None,
+        breaker: TargetBreaker,
+        bounds: JobBounds,
+        off_loop: OffLoop,
+    ) -> tuple[Candidate, Outcome] | ChainEnd | None:
+        """`carry_out` on the job's event loop, through the writer's async verbs. `off_loop` runs
+        what may block (a wait for the target's traffic, its database writes) on a thread."""
+        if not isinstance(plan, Send):
+            return candidate, plan
+        outcome = await self.send_async(candidate, plan, intent, breaker, bounds, off_loop)
+        if outcome is None or isinstance(outcome, ChainEnd):
+            return outcome
+        return (candidate if intent is None else Candidate(candidate.record, intent)), outcome
+
+    async def send_async(
+        self,
+        candidate: Candidate,
+        plan: Send,
+        intent: LedgerRow | None,
+        breaker: TargetBreaker,
+        bounds: JobBounds,
+        off_loop: OffLoop,
+    ) -> Outcome | ChainEnd | None:
+        """`send` through the writer's async verbs: the same decisions (`_sending`), the calls
+        awaited. A cancellation (the job's end) leaves at the call in flight, deciding nothing."""
+        sending = self._sending(candidate, plan, breaker, asynchronous=True)
+        answer: Any = None
+        error: Exception | None = None
+        while True:
+            try:
+                verb, args = sending.send(answer) if error is None else sending.throw(error)
+            except StopIteration as done:
+                result: Outcome | ChainEnd | None = done.value
+                return result
+            writer: Any = self.writer
+            method = writer.acreate if verb is Verb.CREATE else writer.aupdate
+            try:
+                answer, error = await self.call_async(breaker, bounds, off_loop, method, *args), None
+            except Exception as exc:
+                answer, error = None, exc
+
+    def _sending(
+        self, candidate: Candidate, plan: Send, breaker: TargetBreaker, *, asynchronous: bool
+    ) -> Generator[tuple[Verb, tuple[Any, ...]], Any, Outcome | ChainEnd | None]:
+        """The write's decisions, for `send` and `send_async` alike: yields each call to make (its
+        verb and arguments) and is sent its answer or thrown its exception; returns the outcome."""
         rule, record, row = self.rule, candidate.record, candidate.ledger
+        creates, updates = (CreatesAsync, UpdatesAsync) if asynchronous else (Creates, Updates)
         writer = self.writer
         remote_id = row.remote_id if row else None
         #: Whether the call that failed, if one did, may have changed the record's body in the
@@ -166,24 +236,24 @@ class RecordStep:
         updating = plan.verb is Verb.UPDATE
         try:
             if plan.verb is Verb.CREATE:
-                if not isinstance(writer, Creates):
+                if not isinstance(writer, creates):
                     raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
                 generation = row.create_generation if row else 0
                 key = policy.idempotency_key(rule.name, record.external_id, generation, rule.key_epoch)
-                remote_id = self.call(breaker, bounds, writer.create, plan.body, key)
+                remote_id = yield Verb.CREATE, (plan.body, key)
                 if plan.follow_up:
                     # The same key may have carried an older body before (a crash before the
                     # settle, a timeout after the target took it): a target that honours the key
                     # answers with the record it made then and keeps that body. Make it ours.
-                    if not isinstance(writer, Updates):
+                    if not isinstance(writer, updates):
                         return policy.delivered(row, remote_id, plan.digest, note=REPLAY_NOT_UPDATABLE)
                     updating = True
-                    self.call(breaker, bounds, writer.update, remote_id, plan.body)
+                    yield Verb.UPDATE, (remote_id, plan.body)
             else:
-                if not isinstance(writer, Updates):
+                if not isinstance(writer, updates):
                     raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
                 assert remote_id is not None
-                self.call(breaker, bounds, writer.update, remote_id, plan.body)
+                yield Verb.UPDATE, (remote_id, plan.body)
         except NOT_SENT as held:
             if plan.verb is Verb.CREATE and remote_id is not None:
                 # The create went through and the follow-up update was not sent: keep the id, and
@@ -217,6 +287,35 @@ class RecordStep:
             except TargetUnavailable as fault:
                 last = resend == MAX_RESENDS
                 if not fault.pauses_target or self.traffic.pause(fault) > bounds.deadline or last:
+                    raise
+        raise AssertionError("unreachable: the last resend returns or raises")
+
+    async def call_async(
+        self,
+        breaker: TargetBreaker,
+        bounds: JobBounds,
+        off_loop: OffLoop,
+        call: Callable[..., Awaitable[Any]],
+        *args: Any,
+    ) -> Any:
+        """`call` for a coroutine verb. Admission costs no thread while the target needs no wait
+        and no read (`TargetTraffic.admits_at_once`); its database reads and writes (a slot, a
+        pause) go `off_loop`, its waits are spent on the loop (`TargetTraffic.admit_async`).
+        The breaker is entered and left on the loop (pybreaker's `calling`, which holds its lock
+        only while it decides, not across the call): its database reads are served by the row the
+        job's settles read (`Fence.held_for`), and only a failure writes."""
+        traffic = self.traffic
+        if traffic is None:
+            raise RuntimeError("a step that sends needs the target's traffic control")
+        for resend in range(MAX_RESENDS + 1):
+            if not (traffic.admits_at_once() or await traffic.admit_async(bounds, off_loop)):
+                raise Stopped
+            try:
+                with breaker.calling():
+                    return await call(*args)
+            except TargetUnavailable as fault:
+                last = resend == MAX_RESENDS
+                if not fault.pauses_target or await off_loop(traffic.pause, fault) > bounds.deadline or last:
                     raise
         raise AssertionError("unreachable: the last resend returns or raises")
 

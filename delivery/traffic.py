@@ -9,11 +9,13 @@ job with `TrafficHeld`, and the chain ends `rate_limited` (Completed): the next 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -30,6 +32,8 @@ MIN_PAUSE_SECONDS = 1.0
 #: How often one request is sent again after pauses it met, within one job: a target that answers
 #: every try with a pause gets the record back to wait for the next chain, not a request a second.
 MAX_RESENDS = 3
+#: How often a wait on an event loop looks at the job's stop signal.
+STOP_STEP_SECONDS = 0.05
 #: A sender that wakes this far (a fraction of the interval between slots) past its slot takes a
 #: new one (see `TargetTraffic._too_late`).
 LATE_FRACTION = 0.25
@@ -110,6 +114,39 @@ class TargetTraffic:
             if got.paused:
                 self._resume()
 
+    async def admit_async(self, bounds: JobBounds, off_loop: Callable[..., Awaitable[Any]]) -> bool:
+        """`admit` for a request made from an event loop: the slot is taken (a database write) or
+        the pause read `off_loop`, but the wait for it is spent on the loop, so that the request
+        goes out right after the wait's last check that it is not too late (a hop back from a
+        thread, on a busy machine, could land it on the next slot's heels)."""
+        while True:
+            got = await off_loop(self._take, self.clock(), bounds.deadline)
+            if isinstance(got, Slot):
+                if not await self._wait_async(got.at, bounds):
+                    return False
+                if self._too_late(got.at):
+                    continue
+                return True
+            if got.until > bounds.deadline:
+                raise TrafficHeld(self.target.name, got.until, got.reason)
+            if not await self._wait_async(got.until, bounds):
+                return False
+            if got.paused:
+                await off_loop(self._resume)
+
+    def admits_at_once(self) -> bool:
+        """Whether one more request may go out now without a wait or a database read: the target
+        has no rate budget and the pause last read (at most `PAUSE_READ_SECONDS` ago) holds
+        nothing back. False says only "ask `admit`" (on a thread, from an event loop), which does
+        the read or the wait. What the async job asks first, so that a request costs no thread."""
+        if self.target.rate_limit is not None:
+            return False
+        with self._lock:
+            cached = self._pause
+        if cached is None or time.monotonic() - cached[0] >= PAUSE_READ_SECONDS:
+            return False
+        return cached[1] is None  # a pause, even one just over, is `admit`'s to wait out or end
+
     def pause_end(self, fault: TargetUnavailable, now: datetime) -> datetime:
         """When the pause `fault` asks for ends: its Retry-After, at least `MIN_PAUSE_SECONDS` (a
         `Retry-After: 0` would have every sender ask again at once), capped by the connection."""
@@ -186,6 +223,17 @@ class TargetTraffic:
         with self._lock:
             self._waited += time.monotonic() - began
         return not stopped
+
+    async def _wait_async(self, until: datetime, bounds: JobBounds) -> bool:
+        """`_wait` on the loop: asleep in steps, so a stop (the batch cut short) ends it too."""
+        began = time.monotonic()
+        try:
+            while (seconds := (until - self.clock()).total_seconds()) > 0 and not bounds.stop.is_set():
+                await asyncio.sleep(min(seconds, STOP_STEP_SECONDS))
+        finally:
+            with self._lock:
+                self._waited += time.monotonic() - began
+        return not bounds.stop.is_set()
 
     def _resume(self) -> None:
         with self.engine.begin() as conn:

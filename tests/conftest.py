@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
+from delivery import chain as chain_module
 from delivery import db
 from delivery.store.tables import metadata
 from tests.support.databases import create_postgres_database, drop_postgres_database
@@ -139,3 +140,13 @@ def target(_target_session: TargetServer, monkeypatch: pytest.MonkeyPatch) -> Ta
     _target_session.reset()
     monkeypatch.setenv("CRM_TOKEN", "s3cr3t-token-value")
     return _target_session
+
+
+@pytest.fixture(params=["loop", "threads"])
+def job_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which way the `rest` writer's grouped jobs send: from one event loop (`AsyncJob`, what a
+    writer with async verbs gets) or a thread per call in flight (`GroupedJob`, what a writer with
+    only sync verbs gets), the chain told the writer has no async verbs."""
+    if request.param == "threads":
+        monkeypatch.setattr(chain_module, "offers_async", lambda _writer: False)
+    return str(request.param)

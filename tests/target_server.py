@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
@@ -181,6 +182,9 @@ class _HTTPServer(ThreadingHTTPServer):
     """Carries a back-reference to the :class:`TargetServer` that owns the state."""
 
     daemon_threads = True
+    # Connections a burst of calls may open at once (socketserver's default is 5: at a concurrency
+    # of 32 the rest would wait for a SYN retransmit, a second later).
+    request_queue_size = 128
     # Without this a restarted test server can fail to bind a port still in TIME_WAIT.
     allow_reuse_address = True
 
@@ -226,7 +230,8 @@ class _Handler(BaseHTTPRequestHandler):
             # The body is always consumed first so the keep-alive stream stays
             # in sync no matter which answer (401, 503, scripted) follows.
             raw = self._read_body()
-            reply = self.server.target._dispatch(self.command, self.path, self.headers, raw)
+            with self.server.target.handling():
+                reply = self.server.target._dispatch(self.command, self.path, self.headers, raw)
         except _Drop:
             self._drop()
             return
@@ -269,6 +274,9 @@ class TargetServer:
         self.down: bool = False
         self.latency_ms: int = 0
         self.requests: list[RecordedRequest] = []
+        #: Requests being handled now, and the most seen at once since the last `reset`.
+        self.in_flight = 0
+        self.max_in_flight = 0
         self._lock = threading.Lock()
         self._collections: dict[str, dict[str, dict[str, Any]]] = {}
         self._scripts: dict[str, deque[Answer]] = {}
@@ -378,8 +386,21 @@ class TargetServer:
             self._next_id = 1
             self.down = False
             self.latency_ms = 0
+            self.max_in_flight = self.in_flight
 
     # ------------------------------------------------------------------ counters
+
+    @contextlib.contextmanager
+    def handling(self) -> Iterator[None]:
+        """Count one request in flight while its answer is decided (latency included)."""
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.in_flight -= 1
 
     def count(self, key: str) -> int:
         """How many requests (whatever their answer) concerned ``key``: a batch call carrying an

@@ -102,6 +102,7 @@ def drain_page(conn: sa.Connection, rule: Rule, due_by: datetime, limit: int) ->
 #: Built once: the settle runs once per record, and building a statement costs more Python than
 #: the database spends running it.
 _INSERT = ledger.insert()
+_INSERT_RETURNING_ID = ledger.insert().returning(ledger.c.id, sort_by_parameter_order=True)
 #: Every write of a row names the version it read and moves it on: a settle and a requeue racing
 #: for one row cannot overwrite each other unseen, the later one finds no row to write.
 _UPDATE = ledger.update().where(ledger.c.id == sa.bindparam("row_id"), ledger.c.version == sa.bindparam("read_version"))
@@ -135,37 +136,8 @@ def record_create_intent(
     first: the row is the requeue's now)."""
     row = candidate.ledger
     if row is None:
-        values = {
-            "status": LedgerStatus.FAILED.value,
-            "remote_id": None,
-            "attempts": 0,
-            "next_attempt_at": now,
-            "last_error": CREATE_IN_FLIGHT,
-            "settled_changed_at": None,
-            "fingerprint": None,
-            "create_generation": 0,
-            "create_fingerprint": digest,
-            "in_doubt": False,
-            "version": 0,
-            "created_at": now,
-            "updated_at": now,
-        }
-        row_id = _insert(conn, rule, candidate, values)
-        return LedgerRow(
-            id=row_id,
-            rule_id=rule.id,
-            record_id=candidate.record.id,
-            status=LedgerStatus.FAILED,
-            remote_id=None,
-            attempts=0,
-            next_attempt_at=now,
-            last_error=CREATE_IN_FLIGHT,
-            settled_changed_at=None,
-            fingerprint=None,
-            create_generation=0,
-            version=0,
-            create_fingerprint=digest,
-        )
+        row_id = _insert(conn, rule, candidate, _intent_values(digest, now))
+        return _intent_row(rule, candidate, digest, now, row_id)
     changes: dict[str, Any] = {}
     if row.create_fingerprint is None:
         changes["create_fingerprint"] = digest
@@ -179,6 +151,74 @@ def record_create_intent(
     if result.rowcount == 0:
         return None
     return dataclasses.replace(row, version=row.version + 1, **changes)
+
+
+def record_create_intents(
+    conn: sa.Connection, rule: Rule, creates: Sequence[tuple[Candidate, str, bool]], now: datetime
+) -> list[LedgerRow | None]:
+    """`record_create_intent` for a window's creates, each `(candidate, digest, follow_up)`: the
+    rows made for records never delivered in one statement (an executemany, ids returned in
+    order), the others each as `record_create_intent` writes them (a retry's row mostly holds its
+    first body's digest already: nothing to write). A conflicting row raises `LedgerRowConflict`
+    for the record it belongs to, as the one-by-one writes would."""
+    results: list[LedgerRow | None] = [None] * len(creates)
+    fresh = [i for i, (candidate, _, _) in enumerate(creates) if candidate.ledger is None]
+    done: set[int] = set()
+    if len(fresh) > 1:
+        params = [
+            {"rule_id": rule.id, "record_id": creates[i][0].record.id, **_intent_values(creates[i][1], now)}
+            for i in fresh
+        ]
+        try:
+            # Under a savepoint: after a conflict the rows are written one by one, naming the record.
+            with conn.begin_nested():
+                ids = [row_id for (row_id,) in conn.execute(_INSERT_RETURNING_ID, params)]
+        except IntegrityError:
+            pass
+        else:
+            for i, row_id in zip(fresh, ids, strict=True):
+                results[i] = _intent_row(rule, creates[i][0], creates[i][1], now, row_id)
+            done = set(fresh)
+    for i, (candidate, digest, follow_up) in enumerate(creates):
+        if i not in done:
+            results[i] = record_create_intent(conn, rule, candidate, digest, now, follow_up=follow_up)
+    return results
+
+
+def _intent_values(digest: str, now: datetime) -> dict[str, Any]:
+    return {
+        "status": LedgerStatus.FAILED.value,
+        "remote_id": None,
+        "attempts": 0,
+        "next_attempt_at": now,
+        "last_error": CREATE_IN_FLIGHT,
+        "settled_changed_at": None,
+        "fingerprint": None,
+        "create_generation": 0,
+        "create_fingerprint": digest,
+        "in_doubt": False,
+        "version": 0,
+        "created_at": now,
+        "updated_at": now,
+    }
+
+
+def _intent_row(rule: Rule, candidate: Candidate, digest: str, now: datetime, row_id: int) -> LedgerRow:
+    return LedgerRow(
+        id=row_id,
+        rule_id=rule.id,
+        record_id=candidate.record.id,
+        status=LedgerStatus.FAILED,
+        remote_id=None,
+        attempts=0,
+        next_attempt_at=now,
+        last_error=CREATE_IN_FLIGHT,
+        settled_changed_at=None,
+        fingerprint=None,
+        create_generation=0,
+        version=0,
+        create_fingerprint=digest,
+    )
 
 
 def record_update_intents(conn: sa.Connection, rows: Sequence[LedgerRow]) -> list[LedgerRow | None]:
@@ -224,11 +264,55 @@ def withdraw_intent(conn: sa.Connection, before: LedgerRow | None, intent: Ledge
         )
 
 
-def settle(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outcome, now: datetime) -> bool:
-    """Write one record's outcome. The change signal it settles is the one the candidate carried.
-    Run in the transaction of the fence check that guards it. Returns False, writing nothing,
-    when the row's version moved since it was read: whoever wrote it (a requeue) keeps it."""
-    values = {
+def settle_many(
+    conn: sa.Connection, rule: Rule, settles: Sequence[tuple[Candidate, Outcome]], now: datetime
+) -> list[bool]:
+    """`settle` for a group's outcomes: the rows made in one executemany, the rows written in
+    another. Returns, per outcome, whether it was written (False: a requeue moved the row's
+    version first, and keeps it). The updates run under a savepoint: when fewer rows than sent
+    were written, it is rolled back and they are written one by one, to learn which. A row made
+    where one exists raises `LedgerRowConflict` (the caller settles the group one by one to name it)."""
+    inserts = [(c, o) for c, o in settles if c.ledger is None]
+    updates = [(c, o) for c, o in settles if c.ledger is not None]
+    if len(inserts) == 1:
+        settle(conn, rule, *inserts[0], now)
+    elif inserts:
+        params = [
+            {
+                "rule_id": rule.id,
+                "record_id": c.record.id,
+                **_settled_values(c, o, now),
+                "version": 0,
+                "create_fingerprint": None,
+                "created_at": now,
+            }
+            for c, o in inserts
+        ]
+        try:
+            conn.execute(_INSERT, params)
+        except IntegrityError as exc:
+            raise LedgerRowConflict(rule.name, inserts[0][0].record.external_id) from exc
+    written: dict[int, bool] = {}
+    if len(updates) > 1:
+        params = []
+        for c, o in updates:
+            assert c.ledger is not None
+            versions = {"row_id": c.ledger.id, "read_version": c.ledger.version, "version": c.ledger.version + 1}
+            params.append({**versions, **_settled_values(c, o, now)})
+        savepoint = conn.begin_nested()
+        if conn.execute(_UPDATE, params).rowcount == len(updates):
+            savepoint.commit()
+            written = {id(c): True for c, _ in updates}
+        else:
+            savepoint.rollback()
+    for c, o in updates:
+        if id(c) not in written:
+            written[id(c)] = settle(conn, rule, c, o, now)
+    return [True if c.ledger is None else written[id(c)] for c, _ in settles]
+
+
+def _settled_values(candidate: Candidate, outcome: Outcome, now: datetime) -> dict[str, Any]:
+    return {
         "status": outcome.status.value,
         "remote_id": outcome.remote_id,
         "attempts": outcome.attempts,
@@ -240,6 +324,13 @@ def settle(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outco
         "in_doubt": outcome.in_doubt,
         "updated_at": now,
     }
+
+
+def settle(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outcome, now: datetime) -> bool:
+    """Write one record's outcome. The change signal it settles is the one the candidate carried.
+    Run in the transaction of the fence check that guards it. Returns False, writing nothing,
+    when the row's version moved since it was read: whoever wrote it (a requeue) keeps it."""
+    values = _settled_values(candidate, outcome, now)
     row = candidate.ledger
     if row is None:
         _insert(conn, rule, candidate, {**values, "version": 0, "create_fingerprint": None, "created_at": now})

@@ -15,6 +15,15 @@ raises it: `TargetUnavailable` (the call failed in transport, or the target answ
 whole call: every item's outcome is that fault), `Unauthorized` (the target refused the
 credentials), and `BatchRefused` (a 4xx to the whole call without per-item results: the engine
 splits the call and sends the halves, so that one bad record never parks its neighbours).
+
+A verb also comes as a coroutine (`CreatesAsync`, `UpdatesAsync`: `acreate`, `aupdate`), raising
+exactly what its one-record form raises. A writer offering them is called on one event loop, its
+calls in flight as tasks, instead of a thread per call (`delivery.async_job`): the job opens the
+writer on that loop first (`aopen`, where a client bound to the loop is made) and closes it there
+last (`aclose`). A writer may offer both forms (the `rest` family does): which one is called is the
+chain's choice (`delivery.chain`, `_job_type`). `thread_safe` then also says whether calls may
+overlap on the loop: a writer keeping per-call state between awaits leaves it False and gets one
+call at a time.
 """
 
 from __future__ import annotations
@@ -83,6 +92,47 @@ class Updates(ABC):
     def update(self, remote_id: str, body: Mapping[str, Any]) -> None:
         """Update the record the target knows as `remote_id`. Raises a `RecordFault`: a body the
         writer cannot encode raises `UnsendablePayload` before anything is sent."""
+
+
+class _AsyncVerbs(ABC):
+    """What both async verbs share: the job's event loop opens and closes the writer's async side."""
+
+    async def aopen(self) -> None:  # noqa: B027 - optional hook
+        """Called on the job's event loop before its first call: make what is bound to the loop
+        (an `httpx.AsyncClient`). Called once per job; each job has a loop of its own."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Called on the same loop after the job's last call, however the job ended."""
+
+
+class CreatesAsync(_AsyncVerbs):
+    @abstractmethod
+    async def acreate(self, body: Mapping[str, Any], idempotency_key: str) -> str:
+        """`Creates.create` as a coroutine: the same answer, the same faults. It may be cancelled
+        while it waits for the target (the job ended): its outcome then stays unknown."""
+
+
+class UpdatesAsync(_AsyncVerbs):
+    @abstractmethod
+    async def aupdate(self, remote_id: str, body: Mapping[str, Any]) -> None:
+        """`Updates.update` as a coroutine: the same faults; it may be cancelled as `acreate`."""
+
+
+def async_verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
+    """The verbs the type offers as coroutines (`CreatesAsync`, `UpdatesAsync`)."""
+    verbs = set()
+    if issubclass(writer_type, CreatesAsync):
+        verbs.add(Verb.CREATE)
+    if issubclass(writer_type, UpdatesAsync):
+        verbs.add(Verb.UPDATE)
+    return frozenset(verbs)
+
+
+def offers_async(writer: Writer) -> bool:
+    """Whether the writer offers every verb it has in one record per call as a coroutine too (and
+    at least one): then its records can be sent from one event loop (`delivery.async_job`)."""
+    asynchronous = async_verbs_of(type(writer))
+    return bool(asynchronous) and single_verbs_of(type(writer)) <= asynchronous
 
 
 #: How many items one batch call carries when the connection does not say (`batch.max_items`).
@@ -172,9 +222,9 @@ def accepts_concurrency(writer_type: type[Writer]) -> bool:
 
 
 def verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
-    """The verbs the type offers, one record per call or in batches: a writer offering only
-    `CreatesMany` still creates."""
-    return single_verbs_of(writer_type) | batch_verbs_of(writer_type)
+    """The verbs the type offers, one record per call (plain or as a coroutine) or in batches: a
+    writer offering only `CreatesMany` still creates."""
+    return single_verbs_of(writer_type) | async_verbs_of(writer_type) | batch_verbs_of(writer_type)
 
 
 def single_verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:

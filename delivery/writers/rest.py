@@ -4,6 +4,9 @@ create = POST {base_url}/{collection} (id read from `id_field` of the answer),
 update = PATCH {base_url}/{collection}/{remote_id}. Every httpx outcome is translated into our
 own record faults here and nowhere else, most specific first. The body is encoded here too, before
 anything is sent, so a record JSON cannot carry (NaN, Infinity) is refused as that record's fault.
+Each verb also comes as a coroutine (`acreate`, `aupdate`) over an `httpx.AsyncClient` with the
+same pool, made on the job's loop (`aopen`); both clients' answers and transport failures are
+judged by the same code.
 
 Batch verbs, where the connection names them (`batch: {create_path, update_path, max_items}`, paths
 under `base_url`; `for_batch` gives the type with `CreatesMany` and/or `UpdatesMany`):
@@ -31,11 +34,12 @@ since a 2xx for the call says nothing of each item, and an update sent again cha
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC
 from email.utils import parsedate_to_datetime
@@ -62,11 +66,13 @@ from delivery.writers.base import (
     CreateItem,
     CreateResult,
     Creates,
+    CreatesAsync,
     CreatesMany,
     ItemResult,
     UpdateItem,
     UpdateResult,
     Updates,
+    UpdatesAsync,
     UpdatesMany,
     Writer,
     token_for,
@@ -142,6 +148,7 @@ class _RestWriter(Writer):
         *,
         token: str | None = None,
         concurrency: int = 1,
+        async_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         # Built outside a chain (tests, the sandbox) with no token given: the environment's, if any.
         token = token if token is not None else token_for(target)
@@ -156,17 +163,21 @@ class _RestWriter(Writer):
         headers = {"Accept": "application/json", "User-Agent": "delivery-engine"}
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
-        # One pooled client for the whole chain: connection reuse is most of the throughput.
-        self._client = httpx.Client(
-            base_url=target.base_url.rstrip("/") + "/",
-            headers=headers,
-            timeout=httpx.Timeout(target.timeout_seconds),
+        self._client_options: dict[str, Any] = {
+            "base_url": target.base_url.rstrip("/") + "/",
+            "headers": headers,
+            "timeout": httpx.Timeout(target.timeout_seconds),
             # As many connections as calls in flight, each kept alive between calls (httpx keeps
             # 20 by default: at a concurrency of 64 most calls would open a new connection).
-            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
-            transport=transport,
-            verify=tls_context(),
-        )
+            "limits": httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+            # The process's TLS settings, built once (see `tls_context`).
+            "verify": tls_context(),
+        }
+        # One pooled client for the whole chain: connection reuse is most of the throughput.
+        self._client = httpx.Client(**self._client_options, transport=transport)
+        self._async_transport = async_transport
+        #: The async verbs' client, bound to the event loop of the job that opened it (`aopen`).
+        self._aclient: httpx.AsyncClient | None = None
 
     @classmethod
     def for_batch(cls, batch: BatchEndpoints | None) -> type[Writer]:
@@ -181,27 +192,69 @@ class _RestWriter(Writer):
     def close(self) -> None:
         self._client.close()
 
-    def _send(self, method: str, path: str, body: Mapping[str, Any], headers: dict[str, str]) -> _Answer:
+    async def aopen(self) -> None:
+        """The async verbs' client, made on the job's loop with the same pool as the sync one."""
+        if self._aclient is None:
+            self._aclient = httpx.AsyncClient(**self._client_options, transport=self._async_transport)
+
+    async def aclose(self) -> None:
+        client, self._aclient = self._aclient, None
+        if client is not None:
+            await client.aclose()
+
+    def _encode(self, method: str, path: str, body: Mapping[str, Any]) -> bytes:
         try:
-            content = encode_body(body)
+            return encode_body(body)
         except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
             # Refused before sending: the target never saw it, so the breaker must not count it.
             raise UnsendablePayload(self._clean(f"{method} {path}: body cannot be encoded as JSON: {exc}")) from exc
-        return self._send_content(method, path, content, headers)
+
+    def _send(self, method: str, path: str, body: Mapping[str, Any], headers: dict[str, str]) -> _Answer:
+        return self._send_content(method, path, self._encode(method, path, body), headers)
+
+    async def _asend(self, method: str, path: str, body: Mapping[str, Any], headers: dict[str, str]) -> _Answer:
+        content = self._encode(method, path, body)
+        client = self._aclient
+        if client is None:
+            raise RuntimeError("an async verb before aopen(): the job opens the writer on its loop")
+        request = client.build_request(method, path, content=content, headers=self._headers(headers))
+        with self._transport_faults(method, path):
+            # Streamed so that a body httpx cannot decode still leaves us the status code to judge by.
+            response = await client.send(request, stream=True)
+            try:
+                await response.aread()
+            except httpx.DecodingError as exc:
+                return self._undecodable(response, exc)
+            finally:
+                await response.aclose()
+        return _Answer(response)
 
     def _send_content(self, method: str, path: str, content: bytes, headers: dict[str, str]) -> _Answer:
-        request = self._client.build_request(
-            method, path, content=content, headers={**headers, "Content-Type": "application/json"}
-        )
-        try:
+        request = self._client.build_request(method, path, content=content, headers=self._headers(headers))
+        with self._transport_faults(method, path):
             # Streamed so that a body httpx cannot decode still leaves us the status code to judge by.
             response = self._client.send(request, stream=True)
             try:
                 response.read()
             except httpx.DecodingError as exc:
-                return _Answer(response, undecodable=self._clean(str(exc)) or type(exc).__name__)
+                return self._undecodable(response, exc)
             finally:
                 response.close()
+        return _Answer(response)
+
+    @staticmethod
+    def _headers(headers: dict[str, str]) -> dict[str, str]:
+        return {**headers, "Content-Type": "application/json"}
+
+    def _undecodable(self, response: httpx.Response, exc: httpx.DecodingError) -> _Answer:
+        return _Answer(response, undecodable=self._clean(str(exc)) or type(exc).__name__)
+
+    @contextlib.contextmanager
+    def _transport_faults(self, method: str, path: str) -> Iterator[None]:
+        """httpx's transport failures as our faults, for the sync and the async client alike (the
+        one place they are translated)."""
+        try:
+            yield
         except httpx.TimeoutException as exc:
             unknown = not isinstance(exc, NOT_SENT)
             message = self._clean(f"{method} {path}: timed out ({type(exc).__name__})")
@@ -210,7 +263,6 @@ class _RestWriter(Writer):
             unknown = not isinstance(exc, NOT_SENT)
             message = self._clean(f"{method} {path}: connection error: {exc}")
             raise TargetUnavailable(message, outcome_unknown=unknown) from exc
-        return _Answer(response)
 
     def _refuse(self, method: str, path: str, answer: _Answer, *, gone_on_404: bool) -> Exception:
         code = answer.status_code
@@ -239,7 +291,14 @@ class _RestWriter(Writer):
 
     def _create(self, body: Mapping[str, Any], idempotency_key: str) -> str:
         path = self.collection
-        answer = self._send("POST", path, body, {"Idempotency-Key": idempotency_key})
+        return self._created_id(path, self._send("POST", path, body, {"Idempotency-Key": idempotency_key}))
+
+    async def _acreate(self, body: Mapping[str, Any], idempotency_key: str) -> str:
+        path = self.collection
+        return self._created_id(path, await self._asend("POST", path, body, {"Idempotency-Key": idempotency_key}))
+
+    def _created_id(self, path: str, answer: _Answer) -> str:
+        """A create's answer judged: the id it made, or the fault it met."""
         if not answer.is_success:
             raise self._refuse("POST", path, answer, gone_on_404=False)
         if answer.undecodable is not None:
@@ -263,7 +322,13 @@ class _RestWriter(Writer):
 
     def _update(self, remote_id: str, body: Mapping[str, Any]) -> None:
         path = f"{self.collection}/{_segment(remote_id)}"
-        answer = self._send("PATCH", path, body, {})
+        self._updated(path, self._send("PATCH", path, body, {}))
+
+    async def _aupdate(self, remote_id: str, body: Mapping[str, Any]) -> None:
+        path = f"{self.collection}/{_segment(remote_id)}"
+        self._updated(path, await self._asend("PATCH", path, body, {}))
+
+    def _updated(self, path: str, answer: _Answer) -> None:
         # A 2xx whose body cannot be decoded is still a success: an update needs nothing from it.
         if not answer.is_success:
             raise self._refuse("PATCH", path, answer, gone_on_404=True)
@@ -438,8 +503,8 @@ def _segment(remote_id: str) -> str:
     return quote(remote_id, safe="")
 
 
-class RestWriter(_RestWriter, Creates, Updates):
-    """`rest`: creates and updates."""
+class RestWriter(_RestWriter, Creates, Updates, CreatesAsync, UpdatesAsync):
+    """`rest`: creates and updates (each also as a coroutine, for the async job)."""
 
     def create(self, body: Mapping[str, Any], idempotency_key: str) -> str:
         return self._create(body, idempotency_key)
@@ -447,16 +512,28 @@ class RestWriter(_RestWriter, Creates, Updates):
     def update(self, remote_id: str, body: Mapping[str, Any]) -> None:
         self._update(remote_id, body)
 
+    async def acreate(self, body: Mapping[str, Any], idempotency_key: str) -> str:
+        return await self._acreate(body, idempotency_key)
 
-class RestCreateOnlyWriter(_RestWriter, Creates):
+    async def aupdate(self, remote_id: str, body: Mapping[str, Any]) -> None:
+        await self._aupdate(remote_id, body)
+
+
+class RestCreateOnlyWriter(_RestWriter, Creates, CreatesAsync):
     """`rest-create-only`: a target that takes new records and offers no update."""
 
     def create(self, body: Mapping[str, Any], idempotency_key: str) -> str:
         return self._create(body, idempotency_key)
 
+    async def acreate(self, body: Mapping[str, Any], idempotency_key: str) -> str:
+        return await self._acreate(body, idempotency_key)
 
-class RestUpdateOnlyWriter(_RestWriter, Updates):
+
+class RestUpdateOnlyWriter(_RestWriter, Updates, UpdatesAsync):
     """`rest-update-only`: a target whose records exist already and can only be updated."""
 
     def update(self, remote_id: str, body: Mapping[str, Any]) -> None:
         self._update(remote_id, body)
+
+    async def aupdate(self, remote_id: str, body: Mapping[str, Any]) -> None:
+        await self._aupdate(remote_id, body)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from delivery import chain as chain_module
 from delivery.clock import utcnow
 from delivery.domain import Candidate, ChainEnd, ConnectionStatus
 from delivery.errors import LedgerRowConflict, MissingWriter, RuleFault, UnexpectedCandidate, UnsupportedDeliveryVerb
@@ -24,11 +25,18 @@ from tests.support.faults import close_route, open_breaker, scan_then_race
 from tests.target_server import Answer, TargetServer
 
 
-@pytest.fixture(params=["grouped", "per_record"])
-def world(engine: sa.Engine, target: TargetServer, request: pytest.FixtureRequest) -> World:
+@pytest.fixture(params=["grouped", "grouped-threads", "per_record"])
+def world(
+    engine: sa.Engine, target: TargetServer, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> World:
     # One write at a time, in order: each row of the table is one record between two healthy ones.
-    # Both ways of settling a job, each of which routes the faults itself.
-    return World(engine, target).apply(target={"settle": request.param}, rule={"concurrency": 1})
+    # Both ways of settling a job, each of which routes the faults itself; grouped, both ways of
+    # sending (from one event loop, the `rest` writer's default, and a thread per call, what a
+    # writer with only sync verbs gets).
+    settle, _, path = request.param.partition("-")
+    if path == "threads":
+        monkeypatch.setattr(chain_module, "offers_async", lambda _writer: False)
+    return World(engine, target).apply(target={"settle": settle}, rule={"concurrency": 1})
 
 
 # -- record faults: the record's row, and the job carries on ----------------------------------------

@@ -33,7 +33,7 @@ def _ids(n: int) -> list[str]:
 
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_grouped_settles_commit_in_groups_and_each_record_gets_its_own_outcome(
-    engine: sa.Engine, target: TargetServer, concurrency: int
+    engine: sa.Engine, target: TargetServer, concurrency: int, job_path: str
 ) -> None:
     world = World(engine, target).apply(rule={"batch_size": 200, "concurrency": concurrency})
     ids = _ids(120)
@@ -89,7 +89,7 @@ def test_a_batch_cut_by_the_breaker_keeps_no_intent_of_a_create_it_never_sent(
 
 
 def test_a_breaker_tripped_by_another_process_is_seen_within_one_group(
-    engine: sa.Engine, target: TargetServer, db_url: str
+    engine: sa.Engine, target: TargetServer, db_url: str, job_path: str
 ) -> None:
     """Grouped, the breaker row is read with each window's intents and each group's commit (not
     with every record): a trip made elsewhere stops the batch within one group of records."""
@@ -112,7 +112,18 @@ def test_a_breaker_tripped_by_another_process_is_seen_within_one_group(
                     theirs.call(_fail)  # the other process's failure trips the shared breaker
             return real_send(*args)
 
+        real_send_async = chain.step.send_async
+
+        async def send_async(*args: Any) -> Any:
+            nonlocal sent
+            sent += 1
+            if sent == 3:
+                with pytest.raises(TargetUnavailable):
+                    theirs.call(_fail)
+            return await real_send_async(*args)
+
         chain.step.send = send  # type: ignore[method-assign]
+        chain.step.send_async = send_async  # type: ignore[method-assign]
         report = chain.run_batch(Phase.SCAN)
         chain.finish()
     finally:
@@ -137,7 +148,7 @@ def _breaker(engine: sa.Engine, world: World) -> TargetBreaker:
 @pytest.mark.parametrize("settle", ["grouped", "per_record"])
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_a_writer_bug_mid_batch_fails_the_chain_and_keeps_every_outcome_gathered_before_it(
-    engine: sa.Engine, target: TargetServer, settle: str, concurrency: int
+    engine: sa.Engine, target: TargetServer, settle: str, concurrency: int, job_path: str
 ) -> None:
     """Nothing is rolled back: the records delivered before the bug stay delivered, whether their
     outcomes were still being gathered for a group or not; the record that met the bug has no
@@ -156,7 +167,15 @@ def test_a_writer_bug_mid_batch_fails_the_chain_and_keeps_every_outcome_gathered
             raise RuntimeError("a bug in the writer")
         return real_create(body, key)  # type: ignore[no-any-return]
 
+    real_acreate = writer.acreate  # type: ignore[attr-defined]
+
+    async def acreate(body: dict[str, Any], key: str) -> str:
+        if body["email"] == email(ids[20]):
+            raise RuntimeError("a bug in the writer")
+        return await real_acreate(body, key)  # type: ignore[no-any-return]
+
     writer.create = create  # type: ignore[attr-defined]
+    writer.acreate = acreate  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="a bug in the writer"):
         chain.run_batch(Phase.SCAN)
     chain.finish(RuntimeError("a bug in the writer"))

@@ -153,11 +153,17 @@ def settles_die_after(count: int) -> Iterator[None]:
             left[0] -= 1
         return real(*args, **kwargs)
 
+    def settle_many(conn: Any, rule: Any, settles: Any, now: Any) -> list[bool]:
+        return [settle(conn, rule, candidate, outcome, now) for candidate, outcome in settles]
+
+    real_many = ledger_store.settle_many
     ledger_store.settle = settle  # type: ignore[assignment]
+    ledger_store.settle_many = settle_many  # type: ignore[assignment]
     try:
         yield
     finally:
         ledger_store.settle = real  # type: ignore[assignment]
+        ledger_store.settle_many = real_many  # type: ignore[assignment]
 
 
 def histories(template: Path, workdir: Path, target: CountingTarget) -> type[RuleBasedStateMachine]:

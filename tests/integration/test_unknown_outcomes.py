@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from delivery import chain as chain_module
 from delivery.clock import utcnow
 from delivery.domain import ChainEnd
 from delivery.errors import Unauthorized
@@ -31,7 +32,7 @@ from tests.integration.world import RULE, World, email
 from tests.support.chains import drive
 from tests.target_server import Answer, TargetServer
 
-SETTLES = ["grouped", "per_record"]
+SETTLES = ["grouped", "grouped-threads", "per_record"]
 #: Longer than the world's 0.5 s timeout: the target applies the write after the client gave up.
 LATE = 1.5
 
@@ -49,11 +50,32 @@ def settles_die(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     with monkeypatch.context() as patched:
         patched.setattr(ledger_store, "settle", die)
+        patched.setattr(ledger_store, "settle_many", die)
         yield
 
 
 def world_for(engine: sa.Engine, target: TargetServer, settle: str, **rule: Any) -> World:
-    return World(engine, target).apply(target={"settle": settle}, rule=rule or None)
+    """`settle` "grouped-threads": grouped, sent from threads (as a writer with only sync verbs
+    is) instead of the `rest` writer's event loop."""
+    return World(engine, target).apply(target={"settle": settle_mode(settle)}, rule=rule or None)
+
+
+def settle_mode(settle: str) -> str:
+    """The connection's `settle` of a `SETTLES` case, the path it asks for taken (see `world_for`)."""
+    mode, _, path = settle.partition("-")
+    if path == "threads":
+        _threads.setattr(chain_module, "offers_async", lambda _writer: False)
+    return mode
+
+
+#: Undone after each test (`_undo_threads`).
+_threads = pytest.MonkeyPatch()
+
+
+@pytest.fixture(autouse=True)
+def _undo_threads() -> Iterator[None]:
+    yield
+    _threads.undo()
 
 
 def held(world: World, external_id: str) -> dict[str, Any]:
@@ -190,7 +212,7 @@ def test_the_trial_call_after_a_cooldown_never_parks_a_record(
     engine: sa.Engine, target: TargetServer, settle: str
 ) -> None:
     world = World(engine, target).apply(
-        target={"settle": settle, "breaker": {"fail_max": 1, "reset_seconds": 60}},
+        target={"settle": settle_mode(settle), "breaker": {"fail_max": 1, "reset_seconds": 60}},
         rule={"max_attempts": 2, "retry_schedule_seconds": [1]},
     )
     world.load("a")
@@ -301,7 +323,9 @@ def test_update_only_saved_mid_chain_stops_creates_from_the_next_job(
     world = world_for(engine, target, settle, batch_size=5)
     ids = [f"m{n:02d}" for n in range(20)]
     world.load(*ids)
-    hook = _save_after_first_job(world, target={"settle": settle}, rule={"batch_size": 5, "policy": "update_only"})
+    hook = _save_after_first_job(
+        world, target={"settle": settle_mode(settle)}, rule={"batch_size": 5, "policy": "update_only"}
+    )
     drive(engine, RULE, between_jobs=hook)
     assert hook.saved == [5]
     assert [r.method for r in target.requests] == ["POST"] * 5  # none after the save

@@ -1,0 +1,235 @@
+"""One job whose calls in flight are tasks on one event loop (`AsyncJob`), for a writer offering
+its verbs as coroutines (`delivery.writers.base.CreatesAsync`, `UpdatesAsync`).
+
+A grouped job (`delivery.grouped.GroupedJob`) whose sending is `context.workers` tasks on a loop of
+its own instead of as many threads: each task takes the next record in the batch's order, as a
+thread of `delivery.workers` does, so at most `workers` calls are in flight and a cut stops every
+task taking more. Everything else is the grouped job's: windows of `GROUP_RECORDS` candidates whose
+intents are committed (one transaction, one executemany) before any of them is sent, outcomes
+committed in groups of at most 50 records or 200 ms by the gatherer's thread (`SettleGroups`), the
+fence checked in every one of those transactions, unsent intents taken back.
+
+No database write runs on the loop: a window's intents are committed on a thread of the job's own
+(`delivery-db`, one, so windows are written in order), started one window ahead so the tasks
+rarely wait for it; the settles on the gatherer's thread. A wait for the target's traffic goes to
+another pool (`off_loop`); only an admission that needs neither wait nor read, and the breaker's
+bookkeeping (reads served by the row the settles read, a write only on a failure), stay on the loop.
+
+`run()` is called from a thread (the chain's, or a Prefect task's) that may or may not run a loop
+of its own: the job's loop always runs on a dedicated thread (never a nested `asyncio.run`), and the
+calling thread waits for it in short steps, so a timeout or a cancellation raised into the calling
+thread is delivered at once. It then cuts the job: the tasks are cancelled where they wait (a call
+in flight is abandoned, its answer never seen), no call starts after, nothing settles after, and the
+intent of every call that may have gone out stays, so its outcome reads as unknown (a create's row
+says in flight and its retry repeats the key; an update's row is in doubt), exactly as when the
+thread path's job ends with calls in flight. Chosen by the chain for such a writer
+(`delivery.chain`, `_job_type`); given a `JobContext`, never the chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from delivery.breaker import TargetBreaker
+from delivery.domain import Candidate, ChainEnd, LedgerRow, Phase, SettleMode
+from delivery.errors import RuleFault
+from delivery.grouped import GroupedJob, _Settle
+from delivery.job import JobContext
+from delivery.settle import SettleGroups
+from delivery.step import OffLoop, Send
+from delivery.workers import WAIT_STEP_SECONDS, Cut, Signals
+from delivery.writers.base import offers_async
+
+T = TypeVar("T")
+
+
+class AsyncJob(GroupedJob):
+    """A grouped job sending from one event loop, `context.workers` calls in flight."""
+
+    def __init__(self, context: JobContext, candidates: list[Candidate], phase: Phase) -> None:
+        super().__init__(context, candidates, phase)
+        assert offers_async(context.writer)  # chosen for such a writer only
+        #: Settled record by record (a writer with only async verbs on a `per_record` connection):
+        #: each outcome is committed before its task takes the next record.
+        self.settle_each = context.rule.target.settle is SettleMode.PER_RECORD
+        #: The loop's main task, once it runs: what an interruption of `run` cancels.
+        self._main: tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]] | None = None
+        self._main_lock = threading.Lock()
+
+    def _deliver(self, signals: Signals, groups: SettleGroups[_Settle]) -> list[Any]:
+        done: dict[str, Any] = {}
+        # Waited on instead of `Thread.join`: an exception raised into a thread inside `join` can
+        # leave the joined thread marked as stopped while it still runs (CPython's join releases
+        # the thread's lock on its way out).
+        finished = threading.Event()
+
+        def loop_thread() -> None:
+            try:
+                done["cuts"] = asyncio.run(self._send_all(signals, groups))
+            except BaseException as exc:  # handed to the calling thread, raised there
+                done["error"] = exc
+            finally:
+                finished.set()
+
+        thread = threading.Thread(target=loop_thread, name="delivery-loop", daemon=True)
+        try:
+            thread.start()
+            while not finished.wait(WAIT_STEP_SECONDS):  # short steps: a timeout raised here is delivered
+                pass
+        except BaseException:
+            # Interrupted (the job's timeout, a cancellation): the job ends now. The tasks are
+            # cancelled where they wait and the loop is waited for, so nothing of the job runs on.
+            signals.over.set()
+            signals.stop.set()
+            self._cancel_main()
+            if thread.ident is not None:  # it started: wait for its loop to close
+                while not finished.wait(WAIT_STEP_SECONDS):
+                    pass
+                thread.join()
+            raise
+        thread.join()  # its last steps: the loop has closed
+        if "error" in done:
+            raise done["error"]
+        cuts: list[Any] = done["cuts"]
+        return cuts
+
+    def _cancel_main(self) -> None:
+        with self._main_lock:
+            main = self._main
+        if main is not None:
+            loop, task = main
+            with contextlib.suppress(RuntimeError):  # the loop has closed: it ran to its end already
+                loop.call_soon_threadsafe(task.cancel)
+
+    async def _send_all(self, signals: Signals, groups: SettleGroups[_Settle]) -> list[Any]:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        with self._main_lock:
+            self._main = (loop, task)
+        if signals.over.is_set():
+            return []  # interrupted before the loop ran: nothing is sent
+        context = self.context
+        db = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="delivery-db")
+        waits = concurrent.futures.ThreadPoolExecutor(max_workers=context.workers, thread_name_prefix="delivery-wait")
+
+        async def off_loop(call: Callable[..., T], *args: Any) -> T:
+            return await loop.run_in_executor(waits, call, *args)
+
+        windows: dict[int, asyncio.Future[None]] = {}
+
+        def prepare(window: int) -> asyncio.Future[None] | None:
+            """The window's intents being committed (started if they are not yet)."""
+            if window not in windows:
+                if self.superseded or signals.stop.is_set() or window * self.window_size >= len(self.candidates):
+                    return None
+                windows[window] = loop.run_in_executor(db, self._prepare_window_once, window)
+            return windows[window]
+
+        cuts: list[Any] = []
+        errors: list[BaseException] = []
+        pending = iter(range(len(self.candidates)))
+        breaker = context.new_lane()  # one breaker for the tasks: pybreaker holds no lock across an await
+
+        async def worker() -> None:
+            try:
+                while not signals.stop.is_set():
+                    index = next(pending, None)
+                    if index is None:
+                        return
+                    result = await self._one_async(index, breaker, signals, groups, prepare, off_loop, db)
+                    if isinstance(result, Cut):
+                        cuts.append(result.why)
+                        signals.stop.set()
+                        return
+            except Exception as exc:
+                errors.append(exc)
+                signals.stop.set()
+
+        writer: Any = context.writer
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            await writer.aopen()
+            tasks = [asyncio.create_task(worker()) for _ in range(max(1, min(context.workers, len(self.candidates))))]
+            await asyncio.gather(*tasks)
+        finally:
+            signals.stop.set()  # also ends any wait for the target's traffic on `waits`
+            for pending_task in tasks:
+                pending_task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*windows.values(), return_exceptions=True)  # a window prefetched, never reached
+            try:
+                await writer.aclose()
+            finally:
+                # Blocking the loop is harmless here: nothing else runs on it any more.
+                db.shutdown(wait=True)
+                waits.shutdown(wait=True)
+        if errors:
+            raise errors[0]
+        return cuts
+
+    def _prepare_window_once(self, window: int) -> None:
+        with self.window_lock:
+            if window not in self.windows and not self.superseded:
+                self._prepare_window(window)
+
+    async def _one_async(
+        self,
+        index: int,
+        breaker: TargetBreaker,
+        signals: Signals,
+        groups: SettleGroups[_Settle],
+        prepare: Callable[[int], asyncio.Future[None] | None],
+        off_loop: OffLoop,
+        db: concurrent.futures.Executor,
+    ) -> Cut | None:
+        """`GroupedJob._one` on the loop: its window's intents committed first (the next window's
+        started meanwhile), then the send, then its outcome handed to the group being gathered."""
+        window = index // self.window_size
+        if window not in self.windows:
+            preparing = prepare(window)
+            if preparing is not None:
+                await preparing
+        prepare(window + 1)  # under way while this window is sent
+        if self.superseded:
+            return Cut(ChainEnd.SUPERSEDED)
+        if window not in self.windows:
+            return None  # the batch was cut before this window was prepared
+        candidate, plan = self.candidates[index], self.plans[index]
+        intent: LedgerRow | None = None
+        if isinstance(plan, Send):
+            if signals.stop.is_set():
+                return None  # the batch is cut short: no call starts after that
+            intent = self.intents[index]
+            if intent is None:
+                self.context.left_to_requeue(candidate, "meanwhile")
+                return None
+            # From here the request may go out: a cancellation keeps its intent (its outcome unknown).
+            self.sent.add(index)
+        bounds = self.context.bounds(signals.stop)
+        try:
+            done = await self.context.step.carry_out_async(candidate, plan, intent, breaker, bounds, off_loop)
+        except RuleFault:
+            # Raised before anything was applied (a refused token, a verb the writer lacks).
+            self.sent.discard(index)
+            raise
+        if done is None or isinstance(done, ChainEnd):
+            self.sent.discard(index)  # nothing went out: its intent goes back
+            return None if done is None else Cut(done)
+        candidate, outcome = done
+        if signals.over.is_set():
+            return None
+        item = _Settle(index, candidate, outcome)
+        if not self.settle_each:
+            groups.add(item)  # holds the loop back while two groups wait: what a crash loses stays bounded
+            return None
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(db, self._commit_group, [item]):
+            self.superseded = True
+            return Cut(ChainEnd.SUPERSEDED)
+        return None
