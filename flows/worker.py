@@ -51,8 +51,6 @@ from prefect.flow_engine import run_flow
 from prefect.flows import Flow
 from prefect.states import Pending
 
-log = logging.getLogger("delivery.worker")
-
 DEFAULT_POOL = "delivery"
 DEFAULT_LIMIT = 16
 DEFAULT_POLL_SECONDS = 5.0

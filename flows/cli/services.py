@@ -40,7 +40,7 @@ def worker_command(
     limit: Annotated[int, typer.Option("--limit", min=1, max=256, help="Runs in flight at once.")] = 16,
     name: Annotated[str | None, typer.Option("--name", help="Worker name in the UI (default: host and pid).")] = None,
     poll_seconds: Annotated[
-        float, typer.Option("--poll-seconds", min=0.5, max=300, help="How often to look for runs to take.")
+        float, typer.Option("--poll-seconds", min=0.5, max=300, help="How often to look for runs and for Cancels.")
     ] = 5.0,
 ) -> None:
     """Run chains in this long-lived process: takes deliver-rule (and tick, requeue, preview) runs from the pool.
