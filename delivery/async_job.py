@@ -36,12 +36,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from delivery.breaker import TargetBreaker
-from delivery.domain import Candidate, ChainEnd, LedgerRow, Phase, SettleMode
+from delivery.domain import Candidate, ChainEnd, Phase, SettleMode
 from delivery.errors import RuleFault
 from delivery.grouped import GroupedJob, _Settle
 from delivery.job import JobContext
 from delivery.settle import SettleGroups
-from delivery.step import OffLoop, Send
+from delivery.step import OffLoop
 from delivery.workers import WAIT_STEP_SECONDS, Cut, Signals
 from delivery.writers.base import offers_async
 
@@ -196,21 +196,10 @@ class AsyncJob(GroupedJob):
             if preparing is not None:
                 await preparing
         prepare(window + 1)  # under way while this window is sent
-        if self.superseded:
-            return Cut(ChainEnd.SUPERSEDED)
-        if window not in self.windows:
-            return None  # the batch was cut before this window was prepared
-        candidate, plan = self.candidates[index], self.plans[index]
-        intent: LedgerRow | None = None
-        if isinstance(plan, Send):
-            if signals.stop.is_set():
-                return None  # the batch is cut short: no call starts after that
-            intent = self.intents[index]
-            if intent is None:
-                self.context.left_to_requeue(candidate, "meanwhile")
-                return None
-            # From here the request may go out: a cancellation keeps its intent (its outcome unknown).
-            self.sent.add(index)
+        ready = self._ready_to_send(index, window, signals)
+        if not isinstance(ready, tuple):
+            return ready
+        candidate, plan, intent = ready
         bounds = self.context.bounds(signals.stop)
         try:
             done = await self.context.step.carry_out_async(candidate, plan, intent, breaker, bounds, off_loop)

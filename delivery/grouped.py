@@ -122,14 +122,13 @@ class GroupedJob:
     def _unit(self, unit: int, breaker: TargetBreaker, signals: Signals, groups: SettleGroups[_Settle]) -> Cut | None:
         return self._one(unit, breaker, signals, groups)
 
-    def _one(self, index: int, breaker: TargetBreaker, signals: Signals, groups: SettleGroups[_Settle]) -> Cut | None:
-        """One record: its window prepared first, then send, then hand the outcome to the group
-        being gathered."""
-        window = index // self.window_size
-        if window not in self.windows:
-            with self.window_lock:
-                if window not in self.windows and not self.superseded and not signals.stop.is_set():
-                    self._prepare_window(window)
+    def _ready_to_send(
+        self, index: int, window: int, signals: Signals
+    ) -> tuple[Candidate, Outcome | Send, LedgerRow | None] | Cut | None:
+        """Whether record `index` may go out now, once its window was prepared: the candidate, its
+        plan and its intent, or how the job ends (a Cut), or None (the record is left: the batch
+        was cut, or a requeue took its row meanwhile). A send is marked sent from here: the request
+        may go out, so a cut keeps its intent (its outcome unknown)."""
         if self.superseded:
             return Cut(ChainEnd.SUPERSEDED)
         if window not in self.windows:
@@ -144,6 +143,20 @@ class GroupedJob:
                 self.context.left_to_requeue(candidate, "meanwhile")
                 return None
             self.sent.add(index)
+        return candidate, plan, intent
+
+    def _one(self, index: int, breaker: TargetBreaker, signals: Signals, groups: SettleGroups[_Settle]) -> Cut | None:
+        """One record: its window prepared first, then send, then hand the outcome to the group
+        being gathered."""
+        window = index // self.window_size
+        if window not in self.windows:
+            with self.window_lock:
+                if window not in self.windows and not self.superseded and not signals.stop.is_set():
+                    self._prepare_window(window)
+        ready = self._ready_to_send(index, window, signals)
+        if not isinstance(ready, tuple):
+            return ready
+        candidate, plan, intent = ready
         try:
             done = self.context.step.carry_out(candidate, plan, intent, breaker, self.context.bounds(signals.stop))
         except RuleFault:
