@@ -336,7 +336,9 @@ def test_serve_exits_0_and_leaves_nothing_whenever_the_signal_comes(
     if existing is None:
         expected.add("starting the Prefect server")
     assert expected <= phases, f"phases reached (seed {seed}): {phases}"
-    assert any(o.forced for o in outcomes), "no run was stopped by its second signal"
+    # Whether the double signal forces the stop depends on the race it is about: the runner may be
+    # done before the second arrives (0.05 s on, seen in CI), and then a plain stop is right. The
+    # forced path is proven where something is certainly left to force: a chain in flight, below.
 
 
 def _serve_with_a_chain_in_flight(
