@@ -9,6 +9,9 @@ deliver-rule deployment, as README "Deploying" runs it:
 - kill -9 of a worker holding several chains: the next tick judges them dead and starts new ones,
   which a second worker takes; every record ends delivered and the target holds one copy of each.
 
+Every test's rules are split over both settle modes (a `grouped` and a `per_record` connection to
+the same target), so the async job and the per-record job share each worker.
+
 One Prefect server for the module, on a PostgreSQL database of its own (it starts in 15-20 s).
 """
 
@@ -43,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PREFECT = [sys.executable, "-m", "prefect"]
 DELIVERY = str(Path(sys.executable).parent / "delivery")
 FINAL = ["COMPLETED", "FAILED", "CANCELLED", "CRASHED"]
+# (settle mode, connection): _world puts the rules on these in turn.
+SETTLES = [("grouped", "crm"), ("per_record", "crm-per-record")]
 
 pytestmark = [pytest.mark.slow]
 
@@ -126,11 +131,18 @@ def workers(server: tuple[str, dict[str, str]], db_url: str, tmp_path: Path) -> 
 
 def _world(engine: sa.Engine, target: TargetServer, names: list[str], records: int, latency_s: float) -> World:
     """Rules from one source, each to its own collection of the target, 5 records a batch (so
-    each chain is several jobs), concurrency 1."""
+    each chain is several jobs), concurrency 1. Both settle modes at once: the odd rules go
+    through a `grouped` connection (the async job), the even ones through a `per_record` one to
+    the same target (a thread per call), so each test covers both jobs side by side."""
     world = World(engine, target)
     config = world.config()
+    grouped = config["connections"][0]
+    config["connections"].append({**grouped, "name": "crm-per-record", "settle": "per_record"})
     base = config["rules"][0]
-    config["rules"] = [{**base, "name": name, "collection": name, "batch_size": 5} for name in names]
+    config["rules"] = [
+        {**base, "name": name, "collection": name, "batch_size": 5, "target": SETTLES[i % 2][1]}
+        for i, name in enumerate(names)
+    ]
     with engine.begin() as conn:
         apply_config(conn, parse_config(yaml.safe_dump(config)))
     world.load(*(f"c-{i}" for i in range(1, records + 1)))
