@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from delivery import policy
+from delivery.writers.pools import shard_sizes
 
 
 def post_all(
@@ -65,23 +66,38 @@ def post_all(
 
 
 def post_all_async(
-    base_url: str, collection: str, records: Sequence[tuple[str, dict[str, Any]]], concurrency: int, key_scope: str
+    base_url: str,
+    collection: str,
+    records: Sequence[tuple[str, dict[str, Any]]],
+    concurrency: int,
+    key_scope: str,
+    *,
+    one_pool: bool = False,
 ) -> float:
-    """`post_all` by an asyncio client: one `httpx.AsyncClient` with the same pool, `concurrency`
-    tasks on one event loop each taking the next record (what the engine's async job does, with
-    nothing else): the limit to compare the async path with."""
+    """`post_all` by an asyncio client: `httpx.AsyncClient`s with the same pools as the engine's
+    async verbs (`concurrency` connections split as `shard_sizes` splits them; task i uses pool
+    i mod n, so each pool has as many tasks as connections), `concurrency` tasks on one event loop
+    each taking the next record (what the engine's async job does, with nothing else): the limit to
+    compare the async path with. `one_pool`: a single client with every connection, the layout
+    that costs httpcore a time quadratic in the pool's size (`delivery.writers.pools`)."""
 
     async def run() -> float:
-        limits = httpx.Limits(max_connections=max(1, concurrency), max_keepalive_connections=max(1, concurrency))
-        async with httpx.AsyncClient(
-            base_url=base_url.rstrip("/") + "/",
-            headers={"Accept": "application/json", "User-Agent": "delivery-bench"},
-            timeout=httpx.Timeout(10.0),
-            limits=limits,
-        ) as client:
+        sizes = [max(1, concurrency)] if one_pool else shard_sizes(concurrency)
+        clients = [
+            httpx.AsyncClient(
+                base_url=base_url.rstrip("/") + "/",
+                headers={"Accept": "application/json", "User-Agent": "delivery-bench"},
+                timeout=httpx.Timeout(10.0),
+                limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
+            )
+            for size in sizes
+        ]
+        # Task i to pool i mod n: as many tasks per pool as it has connections.
+        owners = [clients[i % len(clients)] for i in range(max(1, concurrency))]
+        try:
             pending = iter(range(len(records)))
 
-            async def worker() -> None:
+            async def worker(client: httpx.AsyncClient) -> None:
                 while (index := next(pending, None)) is not None:
                     external_id, body = records[index]
                     key = policy.idempotency_key(key_scope, external_id, 0)
@@ -92,7 +108,10 @@ def post_all_async(
                         )
 
             started = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+            await asyncio.gather(*(worker(client) for client in owners))
             return time.perf_counter() - started
+        finally:
+            for client in clients:
+                await client.aclose()
 
     return asyncio.run(run())

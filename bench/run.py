@@ -38,6 +38,7 @@ for _name, _value in {
 
 import argparse
 import contextlib
+import functools
 import json
 import platform
 import shutil
@@ -165,7 +166,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=sorted(BARE_CLIENTS),
         default="threads",
         help="the bare client the engine is compared with: threads sharing an httpx.Client (the thread "
-        "path's limit) or asyncio tasks sharing an httpx.AsyncClient (the async path's); default threads",
+        "path's limit), asyncio tasks over httpx.AsyncClients split into pools of at most 8 connections "
+        "as the engine's async verbs are (the async path's), or asyncio-one-pool, one AsyncClient holding "
+        "every connection; default threads",
     )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"where to write the results ({DEFAULT_JSON})")
     args = parser.parse_args(argv)
@@ -251,7 +254,11 @@ def _run_client(
 
 #: The bare clients (`--bare-client`): threads sharing one `httpx.Client` (the thread path's
 #: limit), or tasks on one event loop sharing one `httpx.AsyncClient` (the async path's).
-BARE_CLIENTS = {"threads": bare.post_all, "asyncio": bare.post_all_async}
+BARE_CLIENTS: dict[str, Callable[..., float]] = {
+    "threads": bare.post_all,
+    "asyncio": bare.post_all_async,
+    "asyncio-one-pool": functools.partial(bare.post_all_async, one_pool=True),
+}
 
 
 def run_bare(sandbox: SandboxProcess, n: int, concurrency: int, when: str, client: str = "threads") -> dict[str, Any]:

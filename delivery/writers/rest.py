@@ -4,9 +4,10 @@ create = POST {base_url}/{collection} (id read from `id_field` of the answer),
 update = PATCH {base_url}/{collection}/{remote_id}. Every httpx outcome is translated into our
 own record faults here and nowhere else, most specific first. The body is encoded here too, before
 anything is sent, so a record JSON cannot carry (NaN, Infinity) is refused as that record's fault.
-Each verb also comes as a coroutine (`acreate`, `aupdate`) over an `httpx.AsyncClient` with the
-same pool, made on the job's loop (`aopen`); both clients' answers and transport failures are
-judged by the same code.
+Each verb also comes as a coroutine (`acreate`, `aupdate`) over `httpx.AsyncClient`s with as many
+connections in all as the sync pool, split into small pools (`delivery.writers.pools`), made on the
+job's loop (`aopen`); both kinds of client's answers and transport failures are judged by the same
+code.
 
 Batch verbs, where the connection names them (`batch: {create_path, update_path, max_items}`, paths
 under `base_url`; `for_batch` gives the type with `CreatesMany` and/or `UpdatesMany`):
@@ -78,6 +79,7 @@ from delivery.writers.base import (
     token_for,
     token_source,
 )
+from delivery.writers.pools import AsyncPools, shard_sizes
 
 #: How much of a refusing target's body reaches `last_error`: enough to see the reason.
 BODY_EXCERPT = 200
@@ -176,8 +178,8 @@ class _RestWriter(Writer):
         # One pooled client for the whole chain: connection reuse is most of the throughput.
         self._client = httpx.Client(**self._client_options, transport=transport)
         self._async_transport = async_transport
-        #: The async verbs' client, bound to the event loop of the job that opened it (`aopen`).
-        self._aclient: httpx.AsyncClient | None = None
+        #: The async verbs' clients, bound to the event loop of the job that opened them (`aopen`).
+        self._apools: AsyncPools | None = None
 
     @classmethod
     def for_batch(cls, batch: BatchEndpoints | None) -> type[Writer]:
@@ -193,14 +195,21 @@ class _RestWriter(Writer):
         self._client.close()
 
     async def aopen(self) -> None:
-        """The async verbs' client, made on the job's loop with the same pool as the sync one."""
-        if self._aclient is None:
-            self._aclient = httpx.AsyncClient(**self._client_options, transport=self._async_transport)
+        """The async verbs' clients, made on the job's loop: as many connections as the sync
+        client's pool, split into small pools (`delivery.writers.pools`). A transport given
+        (tests) is one pool already: one client over it."""
+        if self._apools is None:
+            options = {k: v for k, v in self._client_options.items() if k != "limits"}
+            transport = self._async_transport
+            sizes = [self.concurrency] if transport is not None else shard_sizes(self.concurrency)
+            self._apools = AsyncPools(
+                sizes, lambda limits: httpx.AsyncClient(**options, limits=limits, transport=transport)
+            )
 
     async def aclose(self) -> None:
-        client, self._aclient = self._aclient, None
-        if client is not None:
-            await client.aclose()
+        pools, self._apools = self._apools, None
+        if pools is not None:
+            await pools.aclose()
 
     def _encode(self, method: str, path: str, body: Mapping[str, Any]) -> bytes:
         try:
@@ -214,19 +223,20 @@ class _RestWriter(Writer):
 
     async def _asend(self, method: str, path: str, body: Mapping[str, Any], headers: dict[str, str]) -> _Answer:
         content = self._encode(method, path, body)
-        client = self._aclient
-        if client is None:
+        pools = self._apools
+        if pools is None:
             raise RuntimeError("an async verb before aopen(): the job opens the writer on its loop")
-        request = client.build_request(method, path, content=content, headers=self._headers(headers))
-        with self._transport_faults(method, path):
-            # Streamed so that a body httpx cannot decode still leaves us the status code to judge by.
-            response = await client.send(request, stream=True)
-            try:
-                await response.aread()
-            except httpx.DecodingError as exc:
-                return self._undecodable(response, exc)
-            finally:
-                await response.aclose()
+        async with pools.lend() as client:
+            request = client.build_request(method, path, content=content, headers=self._headers(headers))
+            with self._transport_faults(method, path):
+                # Streamed so that a body httpx cannot decode still leaves us the status code to judge by.
+                response = await client.send(request, stream=True)
+                try:
+                    await response.aread()
+                except httpx.DecodingError as exc:
+                    return self._undecodable(response, exc)
+                finally:
+                    await response.aclose()
         return _Answer(response)
 
     def _send_content(self, method: str, path: str, content: bytes, headers: dict[str, str]) -> _Answer:
