@@ -253,7 +253,8 @@ def _run_client(
 
 
 #: The bare clients (`--bare-client`): threads sharing one `httpx.Client` (the thread path's
-#: limit), or tasks on one event loop sharing one `httpx.AsyncClient` (the async path's).
+#: limit), tasks on one event loop over `httpx.AsyncClient`s split into pools as the engine's
+#: async verbs are (the async path's), or the same tasks over one AsyncClient holding every connection.
 BARE_CLIENTS: dict[str, Callable[..., float]] = {
     "threads": bare.post_all,
     "asyncio": bare.post_all_async,
