@@ -97,13 +97,15 @@ def create_may_be_a_replay(row: LedgerRow | None, digest: str) -> bool:
 
     The row's `create_fingerprint` is the digest of the first body sent under its current
     Idempotency-Key, written before that body went out; a target honouring the key keeps the first
-    body it received. Another digest there means the answer may hold that older body. A row from
-    before those digests were kept that has been attempted already cannot tell, so it counts too."""
+    body it applied. Another digest there means the answer may hold that older body. A row in
+    doubt cannot tell: a later body sent under the key, its answer unseen, may be the one the
+    target applied first (the first send refused or lost on the way). A row from before those
+    digests were kept that has been attempted already cannot tell either, so both count too."""
     if row is None or row.remote_id:
         return False
     if row.in_doubt:
-        # A follow-up update may have gone out after an earlier replay, its answer never seen:
-        # the target may hold that update's body, whatever the key's first body was.
+        # A follow-up update, or a create with another body under the same key, went out and
+        # its answer was never seen: the target may hold that body, whatever the key's first was.
         return True
     if row.create_fingerprint is None:
         return row.attempts > 0

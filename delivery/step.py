@@ -231,9 +231,11 @@ class RecordStep:
         writer = self.writer
         remote_id = row.remote_id if row else None
         #: Whether the call that failed, if one did, may have changed the record's body in the
-        #: target (an update, or a replayed create's follow-up): a create alone leaves the key's
-        #: first body, which the row's create_fingerprint knows already.
-        updating = plan.verb is Verb.UPDATE
+        #: target: an update, or a create carrying a body other than the first one sent under its
+        #: key (`plan.follow_up`). That first send may never have been applied (refused, dropped,
+        #: the target down), so a later send under the same key, its answer unseen, may be the one
+        #: that made the record: the row's create_fingerprint then no longer says what it holds.
+        updating = plan.verb is Verb.UPDATE or plan.follow_up
         try:
             if plan.verb is Verb.CREATE:
                 if not isinstance(writer, creates):
@@ -327,7 +329,8 @@ class RecordStep:
         row = candidate.ledger
         remote_id = row.remote_id if row is not None and plan.verb is Verb.UPDATE else None
         if isinstance(result, RecordFault):
-            unknown = plan.verb is Verb.UPDATE and isinstance(result, TargetUnavailable) and result.outcome_unknown
+            updating = plan.verb is Verb.UPDATE or plan.follow_up  # as in `_sending`
+            unknown = updating and isinstance(result, TargetUnavailable) and result.outcome_unknown
             return self._after(row, result, remote_id, breaker, unknown=unknown)
         return policy.delivered(row, str(result) if plan.verb is Verb.CREATE else remote_id, plan.digest)
 

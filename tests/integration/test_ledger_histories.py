@@ -372,7 +372,7 @@ def test_generated_histories_leave_the_target_on_the_mirrors_latest_bodies(
     run_state_machine_as_test(histories(sqlite_template, tmp_path, history_target), settings=budget)
 
 
-#: The three histories that once left the target stale while the ledger said delivered, written
+#: The histories that once left the target stale while the ledger said delivered, written
 #: out step by step through the same machine, so each is checked on every run whatever the
 #: generator happens to draw.
 STALE_PATHS = {
@@ -397,6 +397,24 @@ STALE_PATHS = {
         ("chain", {"how": "abandoned", "settles": 0}),
         ("change", {"external_id": "r0", "fault": "none"}),
         ("chain", {"how": "abandoned", "settles": 0}),
+        ("change", {"external_id": "r0", "fault": "none"}),
+        ("chain", {"how": "whole"}),
+    ],
+    # The key's first body was never applied: a later body under the same key, answered late,
+    # made the record, and the revert to the first body must not be taken for what it holds.
+    "a create refused, then its replay with a newer body applied but answered late, then a revert": [
+        ("change", {"external_id": "r0", "fault": "refused"}),
+        ("chain", {"how": "whole"}),
+        ("change", {"external_id": "r0", "fault": "late"}),
+        ("chain", {"how": "whole"}),
+        ("change", {"external_id": "r0", "fault": "none"}),
+        ("chain", {"how": "whole"}),
+    ],
+    "a create met the target down, then its replay with a newer body applied but answered late, then a revert": [
+        ("change", {"external_id": "r0", "fault": "down"}),
+        ("chain", {"how": "whole"}),
+        ("change", {"external_id": "r0", "fault": "late"}),
+        ("chain", {"how": "whole"}),
         ("change", {"external_id": "r0", "fault": "none"}),
         ("chain", {"how": "whole"}),
     ],
