@@ -19,7 +19,7 @@ def test_migrations_produce_exactly_the_models_schema(engine: sa.Engine) -> None
     with engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), metadata)
     assert diff == []
-    assert db.current_revision(engine) == db.head_revision(engine)
+    assert db.current_revision(engine) == db.head_revision(engine) == db.SCHEMA_HEAD
 
 
 def test_downgrade_to_base_and_upgrade_again(engine: sa.Engine) -> None:
