@@ -166,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=sorted(BARE_CLIENTS),
         default="threads",
         help="the bare client the engine is compared with: threads sharing an httpx.Client (the thread "
-        "path's limit), asyncio tasks over httpx.AsyncClients split into pools of at most 8 connections "
+        "path's limit), asyncio tasks over httpx.AsyncClients split into pools of at most 2 connections "
         "as the engine's async verbs are (the async path's), or asyncio-one-pool, one AsyncClient holding "
         "every connection; default threads",
     )
