@@ -117,14 +117,6 @@ def judge_chains(conn: sa.Connection, rule_id: int, now: datetime, threshold: ti
     ]
 
 
-def stop_abandoned(asked_at: datetime, now: datetime, threshold: timedelta) -> bool:
-    """Whether a chain's run set Cancelling at `asked_at` (by the tick, or Cancel in the UI) was
-    left so by everyone: a live worker answers at its next poll (seconds), a run in process at its
-    next job; one still Cancelling after the dead-chain `threshold` has nothing left to stop it
-    (its warm worker was killed with it), and the tick marks it Cancelled."""
-    return not fresh(asked_at, now, threshold)
-
-
 # -- the handover: a newer chain waiting for the lock -------------------------------------------
 
 

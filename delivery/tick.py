@@ -135,8 +135,6 @@ class TickOutcome:
     plan: TickPlan
     started: dict[str, dict[str, Any]] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
-    #: Names of the runs found left Cancelling with nothing to stop them, which the tick closed.
-    stops_closed: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         plan = self.plan
@@ -144,8 +142,6 @@ class TickOutcome:
             f"{len(plan.start)} started, {len(plan.alive)} alive left alone, {len(plan.dead)} dead replaced, "
             f"{len(plan.idle)} idle (nothing to do)"
         )
-        if self.stops_closed:
-            text += f"; {len(self.stops_closed)} runs left Cancelling closed"
         return text + (f"; chains failed: {', '.join(self.failed)}" if self.failed else "")
 
     def rules(self) -> list[dict[str, Any]]:
@@ -180,6 +176,5 @@ class TickOutcome:
             "dead_replaced": len(self.plan.dead),
             "idle": len(self.plan.idle),
             "failed": list(self.failed),
-            "stops_closed": list(self.stops_closed),
             "rules": self.rules(),
         }

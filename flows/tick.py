@@ -5,14 +5,13 @@ each `deliver-rule` run is a fresh worker process, seconds of CPU before a recor
 
 A chain whose heartbeat went silent for longer than the threshold is judged dead: its Prefect flow
 run is set Cancelling (a worker then stops its process, if it still runs, and marks it Cancelled; a
-run still alive in process ends Cancelled at its next job; a run still Cancelling a threshold later
-has nothing left to stop it, and the tick marks it Cancelled), its token is superseded (which stops
-it whatever runs it: its next job finds the fence closed and writes nothing), and a new chain
-starts if the rule has something to do. When the `deliver-rule` deployment exists, chains start as
-runs of it, so each rule's history is its own in the UI; otherwise (local use, tests) the tick runs
-them itself, one after another. Either way each chain's run is created with its name (`RULE ->
-TARGET`) and tags, and a run of the deployment carries the chain token as its idempotency key: a
-launch repeated with the same token never makes a second run.
+run with nobody to stop it stays Cancelling, and a run still alive in process ends Cancelled at its
+next job), its token is superseded (which stops it whatever runs it: its next job finds the fence
+closed and writes nothing), and a new chain starts if the rule has something to do. When the
+`deliver-rule` deployment exists, chains start as runs of it, so each rule's history is its own in
+the UI; otherwise (local use, tests) the tick runs them itself, one after another. Either way each
+chain's run is created with its name (`RULE -> TARGET`) and tags, and a run of the deployment carries
+the chain token as its idempotency key: a launch repeated with the same token never makes a second run.
 
 Each tick ends by publishing the `delivery-status` table artifact: what `delivery status` prints, one
 row per rule, so the UI alone answers "is everything delivering?".
@@ -22,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
@@ -30,14 +28,6 @@ import sqlalchemy as sa
 from prefect import flow, get_client, get_run_logger, tags
 from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas import State
-from prefect.client.schemas.filters import (
-    FlowFilter,
-    FlowFilterName,
-    FlowRunFilter,
-    FlowRunFilterState,
-    FlowRunFilterStateType,
-)
-from prefect.client.schemas.objects import StateType
 from prefect.exceptions import ObjectNotFound
 from prefect.states import Cancelled, Cancelling, Completed, Failed
 
@@ -71,38 +61,6 @@ async def _cancel(flow_run_id: str, message: str) -> None:
     async with get_client() as client:
         with contextlib.suppress(ObjectNotFound):  # a run recorded by another (ephemeral) Prefect API
             await client.set_flow_run_state(UUID(flow_run_id), Cancelling(message=message))
-
-
-#: At most this many runs left Cancelling are closed per tick (the rest at the next).
-ABANDONED_STOPS_PER_TICK = 200
-
-
-async def _close_abandoned_stops(threshold: timedelta, logger: Any) -> list[str]:
-    """Mark Cancelled the `deliver-rule` runs left Cancelling with nothing to stop them
-    (`liveness.stop_abandoned`): a warm worker killed with its runs leaves them Running, the tick
-    sets them Cancelling once their chains are judged dead, and no worker is there to finish that.
-    Forced, since nothing runs them any more; even if something did, its fence is closed. On a
-    Prefect server the drain and scan subflows of a cancelled run are then cancelled by Prefect's
-    own clean-up. Returns the names of the runs closed."""
-    closed: list[str] = []
-    async with get_client() as client:
-        runs = await client.read_flow_runs(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=[deliver_rule.name])),
-            flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.CANCELLING]))
-            ),
-            limit=ABANDONED_STOPS_PER_TICK,
-        )
-        now = utcnow()
-        for run in runs:
-            if run.state is None or not liveness.stop_abandoned(run.state.timestamp, now, threshold):
-                continue
-            waited = int((now - run.state.timestamp).total_seconds())
-            message = f"still Cancelling after {waited} s with nothing left to stop it: closed by the tick"
-            await client.set_flow_run_state(run.id, Cancelled(message=message), force=True)
-            closed.append(run.name)
-            logger.warning("flow run %s: %s", run.name, message)
-    return closed
 
 
 async def _launch(client: PrefectClient, deployment_id: UUID, launch: Launch, token: str) -> dict[str, Any]:
@@ -176,7 +134,6 @@ async def delivery_tick(dead_after_minutes: float = 0) -> State[Any]:
             await _cancel(dead.flow_run_id, message)
         liveness.supersede(engine, dead.rule_id, dead.token, message)
         logger.warning("rule %s: chain %s %s", dead.rule, dead.token, message)
-    outcome.stops_closed = await _close_abandoned_stops(threshold, logger)
 
     if await _deployment_exists():
         await _launch_all(engine, plan.start, outcome, logger)

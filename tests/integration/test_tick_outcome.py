@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
@@ -15,7 +13,6 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
-from delivery.clock import utcnow
 from flows.cli import app
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
@@ -71,48 +68,3 @@ def test_tick_json_lists_a_failing_chain_and_exits_1(world: World) -> None:
     assert tick["rules"][0]["chain_state"] == "FAILED"
     human = CliRunner().invoke(app, ["tick"])  # the text output stays: one line
     assert human.exit_code == 1 and human.stdout.startswith("tick FAILED: 1 started") and RULE in human.stdout
-
-
-async def _orphan_run() -> UUID:
-    """A `deliver-rule` run as a warm worker killed with it leaves it once the tick has judged its
-    chain dead: set Cancelling, with nothing left to stop it."""
-    from prefect import get_client
-    from prefect.states import Cancelling, Running
-
-    from flows.deliver_rule import deliver_rule
-
-    async with get_client() as client:
-        run = await client.create_flow_run(deliver_rule, parameters={"rule": RULE}, name="orphan", state=Running())
-        await client.set_flow_run_state(run.id, Cancelling(message="judged dead by the tick"), force=True)
-        return run.id
-
-
-async def _state_of(flow_run_id: UUID) -> Any:
-    from prefect import get_client
-
-    async with get_client() as client:
-        return (await client.read_flow_run(flow_run_id)).state
-
-
-def test_a_run_left_cancelling_with_nothing_to_stop_it_is_closed_by_a_later_tick(world: World) -> None:
-    orphan = asyncio.run(_orphan_run())
-    asked_at = asyncio.run(_state_of(orphan)).timestamp
-
-    # Within the dead-chain threshold (15 minutes) a worker may still be about to stop it: left alone.
-    result = CliRunner().invoke(app, ["tick", "--json"])
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["stops_closed"] == []
-    assert asyncio.run(_state_of(orphan)).type.value == "CANCELLING"
-
-    # Past the threshold nothing will: the tick closes it.
-    threshold = timedelta(minutes=0.001)
-    while utcnow() - asked_at <= threshold:
-        time.sleep(0.01)
-    result = CliRunner().invoke(app, ["tick", "--json", "--dead-after-minutes", "0.001"])
-    assert result.exit_code == 0, result.output
-    tick = json.loads(result.stdout)
-    assert tick["stops_closed"] == ["orphan"]
-    assert "1 runs left Cancelling closed" in tick["message"]
-    state = asyncio.run(_state_of(orphan))
-    assert state.type.value == "CANCELLED"
-    assert state.message.startswith("still Cancelling after ") and "nothing left to stop it" in state.message

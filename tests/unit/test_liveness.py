@@ -119,10 +119,3 @@ def test_the_lease_and_heartbeat_lengths_keep_their_values() -> None:
     assert liveness.HEARTBEAT_SECONDS == 1.0
     assert liveness.STALE_HOLDER_SECONDS == 120.0
     assert liveness.HANDOVER_MARGIN_SECONDS == 10.0
-
-
-def test_a_run_left_cancelling_is_abandoned_only_once_the_dead_chain_window_has_passed() -> None:
-    window = timedelta(minutes=15)
-    assert liveness.stop_abandoned(NOW - window, NOW, window) is False
-    assert liveness.stop_abandoned(NOW - window - TICK, NOW, window) is True
-    assert liveness.stop_abandoned(NOW, NOW, window) is False
