@@ -23,8 +23,9 @@ the observer Prefect would start for it costs a thread and an event subscription
 (`flows.prefect_private.skip_suspension_observers`).
 
 A killed worker (kill -9) leaves its runs Running; the tick judges their chains dead once their
-heartbeat is older than the dead-chain threshold, supersedes their tokens and starts new chains, as
-for a killed process worker. Stopping it with SIGTERM/SIGINT cancels the runs in flight (each ends
+heartbeat is older than the dead-chain threshold, sets them Cancelling, supersedes their tokens and
+starts new chains, as for a killed process worker; the Prefect server marks them Cancelled after its
+cancelling timeout (300 s unless set), there being no worker to finish the cancellation. Stopping it with SIGTERM/SIGINT cancels the runs in flight (each ends
 Cancelled) and waits for them; a second signal exits at once.
 """
 
