@@ -320,7 +320,7 @@ def _decide(step: RecordStep, verbs: frozenset[Verb] | None, candidate: Candidat
             reason += f"; {REPLAY}" if updates else f"; {REPLAY_NOT_UPDATED}"
     else:
         assert row is not None  # an update has a row holding the remote id
-        reason = IN_DOUBT if row.in_doubt else (CHANGED if row.fingerprint else NOTHING_DELIVERED)
+        reason = IN_DOUBT if row.in_doubt else (CHANGED if row.delivered_digest else NOTHING_DELIVERED)
     if phase is Phase.DRAIN:
         reason = f"due retry, attempt {(row.attempts if row else 0) + 1} of {step.rule.max_attempts}: {reason}"
     if verbs is not None and plan.verb not in verbs:

@@ -124,7 +124,7 @@ class RecordStep:
             excluded = f"policy {rule.policy.value} excludes {verb.value}"
             return policy.parked(row, LedgerStatus.SUPPRESSED, last_error=excluded)
         body = policy.map_payload(record.payload, rule.fields)
-        digest = policy.fingerprint(body)
+        digest = policy.body_digest(body)
         if verb is Verb.UPDATE and policy.identical_to_delivered(row, digest):
             return policy.parked(row, LedgerStatus.SUPPRESSED, last_error="identical to what was last delivered")
         return Send(verb, body, digest, follow_up=verb is Verb.CREATE and policy.create_may_be_a_replay(row, digest))
@@ -232,7 +232,7 @@ class RecordStep:
         remote_id = row.remote_id if row else None
         #: Whether the call that failed, if one did, may have changed the record's body in the
         #: target (an update, or a replayed create's follow-up): a create alone leaves the key's
-        #: first body, which the row's create_fingerprint knows already.
+        #: first body, which the row's create_digest knows already.
         updating = plan.verb is Verb.UPDATE
         try:
             if plan.verb is Verb.CREATE:
@@ -257,7 +257,7 @@ class RecordStep:
         except NOT_SENT as held:
             if plan.verb is Verb.CREATE and remote_id is not None:
                 # The create went through and the follow-up update was not sent: keep the id, and
-                # no fingerprint, so the next attempt updates.
+                # no delivered digest, so the next attempt updates.
                 why = "breaker open" if isinstance(held, Refused) else "traffic held"
                 refused = TargetUnavailable(f"{why} before the follow-up update", outcome_unknown=False)
                 return self._after(row, refused, remote_id, breaker)

@@ -42,10 +42,10 @@ def _candidate(row: Any) -> Candidate:
             next_attempt_at=row.l_next_attempt_at,
             last_error=row.l_last_error,
             settled_changed_at=row.l_settled_changed_at,
-            fingerprint=row.l_fingerprint,
+            delivered_digest=row.l_fingerprint,
             create_generation=row.l_create_generation,
             version=row.l_version,
-            create_fingerprint=row.l_create_fingerprint,
+            create_digest=row.l_create_fingerprint,
             in_doubt=row.l_in_doubt,
         )
     return Candidate(record, row_ledger)
@@ -139,7 +139,7 @@ def record_create_intent(
         row_id = _insert(conn, rule, candidate, _intent_values(digest, now))
         return _intent_row(rule, candidate, digest, now, row_id)
     changes: dict[str, Any] = {}
-    if row.create_fingerprint is None:
+    if row.create_digest is None:
         changes["create_fingerprint"] = digest
     if follow_up and not row.in_doubt:
         changes["in_doubt"] = True
@@ -214,10 +214,10 @@ def _intent_row(rule: Rule, candidate: Candidate, digest: str, now: datetime, ro
         next_attempt_at=now,
         last_error=CREATE_IN_FLIGHT,
         settled_changed_at=None,
-        fingerprint=None,
+        delivered_digest=None,
         create_generation=0,
         version=0,
-        create_fingerprint=digest,
+        create_digest=digest,
     )
 
 
@@ -258,7 +258,7 @@ def withdraw_intent(conn: sa.Connection, before: LedgerRow | None, intent: Ledge
                 "row_id": intent.id,
                 "read_version": intent.version,
                 "version": intent.version + 1,
-                "create_fingerprint": before.create_fingerprint,
+                "create_fingerprint": before.create_digest,
                 "in_doubt": before.in_doubt,
             },
         )
@@ -319,7 +319,7 @@ def _settled_values(candidate: Candidate, outcome: Outcome, now: datetime) -> di
         "next_attempt_at": outcome.next_attempt_at,
         "last_error": outcome.last_error,
         "settled_changed_at": candidate.record.changed_at,
-        "fingerprint": outcome.fingerprint,
+        "fingerprint": outcome.delivered_digest,
         "create_generation": outcome.create_generation,
         "in_doubt": outcome.in_doubt,
         "updated_at": now,

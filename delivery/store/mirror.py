@@ -74,7 +74,7 @@ class _Counted(enum.Enum):
     UNCHANGED = "unchanged"
 
 
-def content_hash(payload: dict[str, Any], deleted: bool) -> str:
+def record_digest(payload: dict[str, Any], deleted: bool) -> str:
     """The change signal's digest: stored on every mirror row, so its recipe must never change."""
     return canonical_digest([payload, deleted])
 
@@ -135,7 +135,7 @@ def load_records(conn: sa.Connection, source: str, domain: str, records: Iterabl
         inserts: list[dict[str, Any]] = []
         updates: list[dict[str, Any]] = []
         for item in latest.values():
-            digest = content_hash(item.payload, item.deleted)
+            digest = record_digest(item.payload, item.deleted)
             row = existing.get(item.external_id)
             before = counted.get(item.external_id)
             if row is None:

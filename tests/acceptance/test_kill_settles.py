@@ -376,7 +376,7 @@ class Run:
                 if not isinstance(body, dict):
                     continue
                 row = rows.get(str(body.get("external")))
-                digest = policy.fingerprint(body)
+                digest = policy.body_digest(body)
                 if row is None or row.status != LedgerStatus.DELIVERED.value or row.fingerprint != digest:
                     missing.add(body.get("external"))
         return len(missing)
@@ -469,7 +469,7 @@ def test_chains_killed_at_random_lose_no_change_and_create_nothing_twice(
             for what, bad in (
                 (f"status {row.status}", row.status != LedgerStatus.DELIVERED.value),
                 (f"remote_id {row.remote_id} (the target's: {record['id']})", row.remote_id != record["id"]),
-                ("not the latest body's digest", row.fingerprint != policy.fingerprint(body)),
+                ("not the latest body's digest", row.fingerprint != policy.body_digest(body)),
                 ("not the latest change settled", row.settled_changed_at != row.changed_at),
             )
             if bad

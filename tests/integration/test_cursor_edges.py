@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from delivery.clock import utcnow
-from delivery.store.mirror import content_hash, source_id
+from delivery.store.mirror import record_digest, source_id
 from delivery.store.tables import mirror_records
 from tests.integration.world import World, email
 from tests.target_server import Answer, TargetServer
@@ -42,7 +42,7 @@ def _commit_late(world: World, external_id: str, changed_at: datetime) -> None:
                 domain="contact",
                 external_id=external_id,
                 payload=payload,
-                content_hash=content_hash(payload, False),
+                content_hash=record_digest(payload, False),
                 deleted=False,
                 changed_at=changed_at,
                 created_at=utcnow(),
@@ -57,7 +57,7 @@ def _change_late(world: World, external_id: str, changed_at: datetime) -> None:
         conn.execute(
             mirror_records.update()
             .where(mirror_records.c.external_id == external_id)
-            .values(payload=payload, content_hash=content_hash(payload, False), changed_at=changed_at)
+            .values(payload=payload, content_hash=record_digest(payload, False), changed_at=changed_at)
         )
 
 

@@ -77,7 +77,7 @@ def test_a_windows_create_intents_in_one_statement_name_the_conflicting_record(
         conn.execute(ledger.delete())
     with engine.begin() as conn:
         made = ledger_store.record_create_intents(conn, rule, creates, now)
-    assert [row.create_fingerprint if row else None for row in made] == ["digest-0", "digest-1", "digest-2"]
+    assert [row.create_digest if row else None for row in made] == ["digest-0", "digest-1", "digest-2"]
     with engine.connect() as conn:
         stored = {row.id: row.create_fingerprint for row in conn.execute(sa.select(ledger))}
-    assert {row.id: row.create_fingerprint for row in made if row} == stored
+    assert {row.id: row.create_digest for row in made if row} == stored
