@@ -14,7 +14,9 @@ import concurrent.futures
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
+
+from delivery.domain import ChainEnd
 
 T = TypeVar("T")
 L = TypeVar("L")
@@ -28,7 +30,7 @@ WAIT_STEP_SECONDS = 0.05
 class Cut:
     """A step's word that the batch takes no more records, and why."""
 
-    why: Any
+    why: ChainEnd
 
 
 @dataclass
@@ -47,7 +49,7 @@ def work_through(
     signals: Signals | None = None,
     *,
     pooled: bool = False,
-) -> tuple[list[T | None], list[Any]]:
+) -> tuple[list[T | None], list[ChainEnd]]:
     """Run `step(index, lane, signals)` for index 0..size-1, `count` at a time, each worker with a
     lane of its own from `new_lane` (what may not be shared between threads). Returns each index's
     result (None: not reached, or the step gave none) and the reasons of the cuts. With `count` 1
@@ -56,7 +58,7 @@ def work_through(
     while a step's own exception comes from the step. `signals`: the caller's, to share with what
     else serves the job (else new ones)."""
     results: list[T | None] = [None] * size
-    cuts: list[Any] = []
+    cuts: list[ChainEnd] = []
     errors: list[BaseException] = []
     signals = signals or Signals()
     pending = iter(range(size))

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from delivery.domain import ChainEnd
 from delivery.workers import Cut, Signals, work_through
 
 
@@ -48,12 +49,12 @@ def test_a_cut_stops_taking_records_and_the_calls_in_flight_still_give_their_res
         if index < 4:
             started.wait(timeout=5)  # four calls in flight at once
         if index == 0:
-            return Cut("breaker")
+            return Cut(ChainEnd.BREAKER_OPEN)
         time.sleep(0.05)
         return index
 
     results, cuts = work_through(40, 4, lambda: None, step)
-    assert cuts == ["breaker"]
+    assert cuts == [ChainEnd.BREAKER_OPEN]
     assert results[0] is None and results[1:4] == [1, 2, 3]  # in flight when the cut came
     assert results[4:] == [None] * 36  # none taken after it
 
