@@ -23,7 +23,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from delivery import policy
+from delivery import decisions
 from delivery.clock import utcnow
 from delivery.domain import Cursor, Rule
 from delivery.store import ledger as ledger_store
@@ -174,7 +174,7 @@ def measure_scan(engine: sa.Engine, rule: Rule, source_id: int, n: int, batch: i
     """`scan_page` from where a chain starts (cursor at the middle less the overlap, so it steps
     over settled rows first) and from six more cursors spread over the unsettled half."""
     assert rule.cursor is not None
-    starts: list[Cursor | None] = [policy.scan_start(rule)]
+    starts: list[Cursor | None] = [decisions.scan_start(rule)]
     starts += [cursor_at(engine, source_id, n // 2 + k * max(1, n // 20)) for k in range(1, 7)]
     pages = [functools.partial(ledger_store.scan_page, rule=rule, after=after, limit=batch) for after in starts]
     _timed(engine, pages[0])  # connection warm-up

@@ -25,7 +25,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from delivery import liveness, policy
+from delivery import decisions, liveness
 from delivery.async_job import AsyncJob
 from delivery.breaker import BreakerListener, TargetBreaker, open_message
 from delivery.bulk import BulkJob, offers_batches
@@ -112,7 +112,7 @@ class Chain:
         self.report = ChainReport(
             rule=self.rule.name, token=self.token, cursor_before=self.rule.cursor, cursor_after=self.rule.cursor
         )
-        self._scan_from: Cursor | None = policy.scan_start(self.rule)
+        self._scan_from: Cursor | None = decisions.scan_start(self.rule)
         self._writer: Writer | None = None
         self._step: RecordStep | None = None
         self._breaker: TargetBreaker | None = None
@@ -135,7 +135,7 @@ class Chain:
         `secrets` reads the Prefect Secret block a target's `token_secret` names (the flows layer
         gives it); the token is read here, once per chain, so a changed one counts from the next."""
         rule = self.rule
-        closed = policy.gate(rule)
+        closed = decisions.gate(rule)
         if closed is not None:
             return self._end(*closed)
         self._breaker = TargetBreaker(self.engine, rule, self._breaker_listeners)
@@ -285,7 +285,7 @@ class Chain:
             # The gate again at every job, under the lock: a connection set to error or disabled
             # mid-chain stops the chain at its next job, not at the next tick.
             fresh = catalog.get_rule(conn, rule.name)
-            closed = policy.gate(fresh)
+            closed = decisions.gate(fresh)
             if closed is not None:
                 report.ended_by, report.message = closed
                 self.report.add(report)
@@ -293,11 +293,11 @@ class Chain:
             if not self._cursor_read:
                 self._cursor_read = True
                 self.report.cursor_before = self.report.cursor_after = fresh.cursor
-                self._scan_from = policy.scan_start(dataclasses.replace(rule, cursor=fresh.cursor))
+                self._scan_from = decisions.scan_start(dataclasses.replace(rule, cursor=fresh.cursor))
             # A rule saved since the last job (`delivery apply`) counts from this job on: its page
             # is read with the saved batch size, and its records planned and sent by the saved
             # rule (taken over below, once this transaction has ended).
-            saved = fresh if policy.rule_changed(rule, fresh) else None
+            saved = fresh if decisions.rule_changed(rule, fresh) else None
             rule = saved or rule
             self._heartbeat(conn, every=0)
             if phase is Phase.DRAIN:

@@ -192,7 +192,7 @@ class Rule:
     enabled: bool
     cursor: Cursor | None
     concurrency: int = 1
-    #: Moved by every change of source or domain; part of the Idempotency-Key (see policy).
+    #: Moved by every change of source or domain; part of the Idempotency-Key (see `decisions.idempotency_key`).
     key_epoch: int = 0
 
 
@@ -280,7 +280,7 @@ class LedgerRow:
     version: int = 0
     create_digest: str | None = None
     #: A write may have reached the target without its answer being recorded: what the target
-    #: holds is unknown (see `delivery.policy.plan_write`).
+    #: holds is unknown (see `delivery.decisions.plan_write`).
     in_doubt: bool = False
 
 

@@ -1,5 +1,5 @@
 """The per-rule overview an operator starts from (`delivery status`): assembled here from the
-store's answers and the decisions made elsewhere (the route in `policy`, the breaker's reopening
+store's answers and the decisions made elsewhere (the route in `decisions`, the breaker's reopening
 in `breaker`), so the overview never disagrees with what a chain would do."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from delivery import breaker
+from delivery.decisions import closed_connection, scan_start
 from delivery.domain import ChainEnd, Connection, LedgerStatus, Rule
-from delivery.policy import closed_connection, scan_start
 from delivery.store import catalog, chains
 from delivery.store import ledger as ledger_store
 from delivery.store import status as status_store

@@ -30,7 +30,7 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
-from delivery import liveness, policy
+from delivery import decisions, liveness
 from delivery.apply import apply_config
 from delivery.config import parse_config
 from delivery.domain import LedgerStatus, MirrorInput
@@ -376,7 +376,7 @@ class Run:
                 if not isinstance(body, dict):
                     continue
                 row = rows.get(str(body.get("external")))
-                digest = policy.body_digest(body)
+                digest = decisions.body_digest(body)
                 if row is None or row.status != LedgerStatus.DELIVERED.value or row.fingerprint != digest:
                     missing.add(body.get("external"))
         return len(missing)
@@ -461,7 +461,7 @@ def test_chains_killed_at_random_lose_no_change_and_create_nothing_twice(
     wrong_rows = {}
     for ext, row in rows.items():
         (record,) = stored[ext]
-        body = policy.map_payload(row.payload, FIELDS)
+        body = decisions.map_payload(row.payload, FIELDS)
         if {k: v for k, v in record.items() if k != "id"} != body:
             stale[ext] = (record, body)
         wrong = [
@@ -469,7 +469,7 @@ def test_chains_killed_at_random_lose_no_change_and_create_nothing_twice(
             for what, bad in (
                 (f"status {row.status}", row.status != LedgerStatus.DELIVERED.value),
                 (f"remote_id {row.remote_id} (the target's: {record['id']})", row.remote_id != record["id"]),
-                ("not the latest body's digest", row.fingerprint != policy.body_digest(body)),
+                ("not the latest body's digest", row.fingerprint != decisions.body_digest(body)),
                 ("not the latest change settled", row.settled_changed_at != row.changed_at),
             )
             if bad

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from delivery import policy
+from delivery import decisions
 from delivery.clock import utcnow
 from delivery.domain import Rule
 from delivery.errors import LedgerRowConflict
@@ -42,7 +42,7 @@ def test_a_groups_outcomes_in_one_statement_leave_a_row_a_requeue_moved_to_the_r
     with engine.begin() as conn:  # a requeue's write: the row's version moves
         conn.execute(ledger.update().where(ledger.c.id == moved.id).values(version=ledger.c.version + 1))
     outcomes = [
-        policy.delivered(c.ledger, c.ledger.remote_id if c.ledger else None, f"digest-{i}")
+        decisions.delivered(c.ledger, c.ledger.remote_id if c.ledger else None, f"digest-{i}")
         for i, c in enumerate(candidates)
     ]
     with engine.begin() as conn:

@@ -1,6 +1,6 @@
 """The words `delivery status` uses for a rule's route, its target's breaker, how its last chain ended
 and its lag, pinned exactly, on SQLite and PostgreSQL. The overview takes the route and breaker
-decisions from where the chain takes them (the route from `policy.closed_connection`, the reopening
+decisions from where the chain takes them (the route from `decisions.closed_connection`, the reopening
 from `breaker.reopens_at`); these pin that doing so changed none of its JSON."""
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from delivery.decisions import body_digest
 from delivery.digest import canonical_digest
-from delivery.policy import body_digest
 from delivery.store.mirror import record_digest
 
 BODY: dict[str, Any] = {

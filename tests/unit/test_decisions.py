@@ -1,4 +1,4 @@
-"""Pure policy decisions (delivery/policy.py) and the status/policy vocabulary (delivery/domain.py)."""
+"""Pure decisions (delivery/decisions.py) and the status/policy vocabulary (delivery/domain.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from delivery.domain import TERMINAL_STATUSES, LedgerRow, LedgerStatus, Policy, Verb
-from delivery.policy import (
+from delivery.decisions import (
     RETRY_AFTER_CAP_SECONDS,
     body_digest,
     choose_verb,
@@ -16,6 +15,7 @@ from delivery.policy import (
     map_payload,
     next_attempt_at,
 )
+from delivery.domain import TERMINAL_STATUSES, LedgerRow, LedgerStatus, Policy, Verb
 
 NOW = datetime(2026, 9, 10, 12, 0, 0, tzinfo=UTC)
 SCHEDULE = (60, 300, 1800, 7200)
