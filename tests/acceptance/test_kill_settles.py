@@ -38,7 +38,7 @@ from delivery.store import catalog
 from delivery.store import chains as chain_store
 from delivery.store.ledger import CREATE_IN_FLIGHT
 from delivery.store.mirror import load_records
-from delivery.store.tables import ledger, mirror_records
+from delivery.store.tables import ledger_table, mirror_records_table
 from tests.target_server import RecordedRequest, TargetServer
 
 pytestmark = pytest.mark.slow
@@ -350,15 +350,17 @@ class Run:
         with self.engine.connect() as conn:
             found = conn.execute(
                 sa.select(
-                    mirror_records.c.external_id,
-                    mirror_records.c.payload,
-                    mirror_records.c.changed_at,
-                    ledger.c.status,
-                    ledger.c.remote_id,
-                    ledger.c.fingerprint,
-                    ledger.c.last_error,
-                    ledger.c.settled_changed_at,
-                ).select_from(mirror_records.outerjoin(ledger, ledger.c.record_id == mirror_records.c.id))
+                    mirror_records_table.c.external_id,
+                    mirror_records_table.c.payload,
+                    mirror_records_table.c.changed_at,
+                    ledger_table.c.status,
+                    ledger_table.c.remote_id,
+                    ledger_table.c.fingerprint,
+                    ledger_table.c.last_error,
+                    ledger_table.c.settled_changed_at,
+                ).select_from(
+                    mirror_records_table.outerjoin(ledger_table, ledger_table.c.record_id == mirror_records_table.c.id)
+                )
             )
             return {row.external_id: row for row in found}
 

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 from delivery.clock import utcnow
-from delivery.store.tables import chains, connections
+from delivery.store.tables import chains_table, connections_table
 from tests.integration.world import RULE, World
 from tests.support.faults import scan_then_race
 from tests.target_server import Answer, TargetServer
@@ -325,7 +325,7 @@ def test_closed_route_completes_writes_nothing_and_names_the_connection(
 ) -> None:
     world.load("a")
     with world.engine.begin() as conn:
-        conn.execute(connections.update().where(connections.c.name == connection).values(status=status))
+        conn.execute(connections_table.update().where(connections_table.c.name == connection).values(status=status))
     result = world.run()
     assert result["state"] == "COMPLETED" and result["ended_by"] == "route_closed"
     assert connection in result["message"] and status in result["message"]
@@ -342,7 +342,10 @@ def test_open_breaker_ends_the_chain_completed_and_leaves_the_connection_alone(w
     assert result["scanned"]["failed"] == 3 and len(world.ledger()) == 3
     assert world.cursor().record_id == world.record_id("r2")  # moved past the attempted ones only
     with world.engine.connect() as conn:
-        assert conn.execute(sa.select(connections.c.status).where(connections.c.name == "crm")).scalar() == "active"
+        assert (
+            conn.execute(sa.select(connections_table.c.status).where(connections_table.c.name == "crm")).scalar()
+            == "active"
+        )
     sent = len(world.target.requests)
     again = world.run()  # the breaker is still open: the chain ends before the drain
     assert again["ended_by"] == "breaker_open" and len(world.target.requests) == sent
@@ -446,7 +449,7 @@ def test_chain_is_recorded_with_its_flow_run(world: World) -> None:
     world.load("a")
     result = world.run()
     with world.engine.connect() as conn:
-        row = conn.execute(sa.select(chains)).one()._asdict()
+        row = conn.execute(sa.select(chains_table)).one()._asdict()
     assert row["flow_run_id"] == result["flow_run_id"] and row["ended_by"] == "caught_up"
     assert isinstance(row["report"], dict) and row["report"]["counts"]["delivered"] == 1
     assert world.rule_row()["chain_token"] == row["token"]

@@ -19,7 +19,7 @@ from delivery.errors import LedgerRowConflict
 from delivery.store import catalog, chains
 from delivery.store import ledger as ledger_store
 from delivery.store import requeue as requeue_store
-from delivery.store.tables import breaker_states, ledger, mirror_records
+from delivery.store.tables import breaker_states_table, ledger_table, mirror_records_table
 from delivery.writers.base import Creates, Updates, Writer
 from delivery.writers.registry import register_writer, reset_registry
 from tests.integration.world import RULE, World
@@ -33,7 +33,7 @@ def world(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
 
 def _ledger_snapshot(world: World) -> list[tuple[Any, ...]]:
     with world.engine.connect() as conn:
-        return [tuple(row) for row in conn.execute(sa.select(ledger).order_by(ledger.c.id))]
+        return [tuple(row) for row in conn.execute(sa.select(ledger_table).order_by(ledger_table.c.id))]
 
 
 # -- a job that ends stops its workers (point 3) ---------------------------------------------------
@@ -122,7 +122,7 @@ def test_a_ledger_row_the_scan_did_not_see_fails_the_chain_before_the_create_goe
         with world.engine.begin() as conn:
             now = utcnow()
             conn.execute(
-                ledger.insert().values(
+                ledger_table.insert().values(
                     rule_id=chain.rule.id,
                     record_id=candidate.record.id,
                     status="delivered",
@@ -306,7 +306,7 @@ def test_an_unexpected_writer_exception_is_a_rule_fault_that_does_not_count_agai
         with world.engine.begin() as conn:  # one failure short of tripping (fail_max 3)
             target_id = catalog.get_rule(conn, RULE).target.id
             conn.execute(
-                breaker_states.insert().values(
+                breaker_states_table.insert().values(
                     connection_id=target_id, state="closed", fail_counter=2, success_counter=0
                 )
             )
@@ -315,7 +315,7 @@ def test_an_unexpected_writer_exception_is_a_rule_fault_that_does_not_count_agai
         reset_registry()
     assert result["state"] == "FAILED" and "RuntimeError: writer bug" in result["message"]
     with world.engine.connect() as conn:
-        state = conn.execute(sa.select(breaker_states)).one()
+        state = conn.execute(sa.select(breaker_states_table)).one()
     assert state.state == "closed"
     assert world.cursor() is None
 
@@ -335,8 +335,8 @@ def test_a_body_the_writer_cannot_encode_is_exhausted_at_once_and_the_rule_goes_
         world.load("c-2")
         with world.engine.begin() as conn:  # what `mirror load` refuses now, written by another program
             conn.execute(
-                mirror_records.update()
-                .where(mirror_records.c.external_id == "c-2")
+                mirror_records_table.update()
+                .where(mirror_records_table.c.external_id == "c-2")
                 .values(payload={"email": world.key("c-2"), "name": "Name c-2", "score": float("nan")})
             )
         result = world.run()
@@ -347,6 +347,6 @@ def test_a_body_the_writer_cannot_encode_is_exhausted_at_once_and_the_rule_goes_
         assert rows["c-1"]["status"] == rows["c-3"]["status"] == "delivered"
         assert world.target.count(world.key("c-2")) == 0
         with world.engine.connect() as conn:
-            assert conn.execute(sa.select(breaker_states.c.fail_counter)).scalar() in (None, 0)
+            assert conn.execute(sa.select(breaker_states_table.c.fail_counter)).scalar() in (None, 0)
     finally:
         db.dispose_engines()

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 
 from delivery.clock import utcnow
 from delivery.store.mirror import record_digest, source_id
-from delivery.store.tables import mirror_records
+from delivery.store.tables import mirror_records_table
 from tests.integration.world import World, email
 from tests.target_server import Answer, TargetServer
 
@@ -37,7 +37,7 @@ def _commit_late(world: World, external_id: str, changed_at: datetime) -> None:
     payload = _payload(external_id, f"Late {external_id}")
     with world.engine.begin() as conn:
         conn.execute(
-            mirror_records.insert().values(
+            mirror_records_table.insert().values(
                 source_id=source_id(conn, "shop"),
                 domain="contact",
                 external_id=external_id,
@@ -55,8 +55,8 @@ def _change_late(world: World, external_id: str, changed_at: datetime) -> None:
     payload = _payload(external_id, "changed late")
     with world.engine.begin() as conn:
         conn.execute(
-            mirror_records.update()
-            .where(mirror_records.c.external_id == external_id)
+            mirror_records_table.update()
+            .where(mirror_records_table.c.external_id == external_id)
             .values(payload=payload, content_hash=record_digest(payload, False), changed_at=changed_at)
         )
 

@@ -44,7 +44,7 @@ from delivery.domain import LedgerStatus, MirrorInput
 from delivery.store import ledger as ledger_store
 from delivery.store import requeue as requeue_store
 from delivery.store.mirror import load_records
-from delivery.store.tables import breaker_states, ledger, mirror_records
+from delivery.store.tables import breaker_states_table, ledger_table, mirror_records_table
 from tests.support.chains import drive
 from tests.target_server import Answer, TargetServer
 
@@ -289,8 +289,8 @@ def histories(template: Path, workdir: Path, target: CountingTarget) -> type[Rul
             target.wait_quiet()
             with self.engine.begin() as conn:
                 due = utcnow() - timedelta(seconds=1)
-                conn.execute(ledger.update().where(ledger.c.status == "failed").values(next_attempt_at=due))
-                conn.execute(breaker_states.update().values(opened_at=utcnow() - timedelta(hours=1)))
+                conn.execute(ledger_table.update().where(ledger_table.c.status == "failed").values(next_attempt_at=due))
+                conn.execute(breaker_states_table.update().values(opened_at=utcnow() - timedelta(hours=1)))
 
         # -- what must hold ------------------------------------------------------------------------
 
@@ -299,8 +299,8 @@ def histories(template: Path, workdir: Path, target: CountingTarget) -> type[Rul
 
         def rows(self) -> dict[str, dict[str, Any]]:
             with self.engine.connect() as conn:
-                query = sa.select(mirror_records.c.external_id, ledger).join(
-                    mirror_records, mirror_records.c.id == ledger.c.record_id
+                query = sa.select(mirror_records_table.c.external_id, ledger_table).join(
+                    mirror_records_table, mirror_records_table.c.id == ledger_table.c.record_id
                 )
                 return {row.external_id: row._asdict() for row in conn.execute(query)}
 

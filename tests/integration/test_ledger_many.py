@@ -14,7 +14,7 @@ from delivery.domain import Rule
 from delivery.errors import LedgerRowConflict
 from delivery.store import catalog
 from delivery.store import ledger as ledger_store
-from delivery.store.tables import ledger
+from delivery.store.tables import ledger_table
 from tests.integration.world import RULE, World
 from tests.support.chains import drive
 from tests.target_server import TargetServer
@@ -40,7 +40,9 @@ def test_a_groups_outcomes_in_one_statement_leave_a_row_a_requeue_moved_to_the_r
     moved = candidates[1].ledger
     assert moved is not None
     with engine.begin() as conn:  # a requeue's write: the row's version moves
-        conn.execute(ledger.update().where(ledger.c.id == moved.id).values(version=ledger.c.version + 1))
+        conn.execute(
+            ledger_table.update().where(ledger_table.c.id == moved.id).values(version=ledger_table.c.version + 1)
+        )
     outcomes = [
         decisions.delivered(c.ledger, c.ledger.remote_id if c.ledger else None, f"digest-{i}")
         for i, c in enumerate(candidates)
@@ -49,7 +51,7 @@ def test_a_groups_outcomes_in_one_statement_leave_a_row_a_requeue_moved_to_the_r
         written = ledger_store.settle_many(conn, rule, list(zip(candidates, outcomes, strict=True)), utcnow())
     assert written == [True, False, True, True]
     with engine.connect() as conn:
-        rows = {row.id: row for row in conn.execute(sa.select(ledger))}
+        rows = {row.id: row for row in conn.execute(sa.select(ledger_table))}
     fingerprints = {c.record.external_id: rows[c.ledger.id].fingerprint for c in candidates if c.ledger}
     assert fingerprints["a"] == "digest-0" and fingerprints["c"] == "digest-2" and fingerprints["d"] == "digest-3"
     assert fingerprints["b"] != "digest-1"  # the requeue's row, untouched
@@ -74,10 +76,10 @@ def test_a_windows_create_intents_in_one_statement_name_the_conflicting_record(
     assert set(world.ledger()) == {ids[conflict]}  # nothing of the window was written
 
     with engine.begin() as conn:
-        conn.execute(ledger.delete())
+        conn.execute(ledger_table.delete())
     with engine.begin() as conn:
         made = ledger_store.record_create_intents(conn, rule, creates, now)
     assert [row.create_digest if row else None for row in made] == ["digest-0", "digest-1", "digest-2"]
     with engine.connect() as conn:
-        stored = {row.id: row.create_fingerprint for row in conn.execute(sa.select(ledger))}
+        stored = {row.id: row.create_fingerprint for row in conn.execute(sa.select(ledger_table))}
     assert {row.id: row.create_digest for row in made if row} == stored

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from delivery import liveness
 from delivery.store import catalog, chains
-from delivery.store.tables import chains as chains_table
+from delivery.store.tables import chains_table
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
 

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from delivery.domain import LedgerStatus
 from delivery.errors import InputError
 from delivery.store import requeue as requeue_store
-from delivery.store.tables import requeues
+from delivery.store.tables import requeues_table
 from flows.cli import app
 from flows.parked_artifact import parked_artifact_key
 from flows.requeue import ANY_TIME, DEFAULT_STATUSES, artifact_key, delivery_requeue, run_name
@@ -50,7 +50,7 @@ def rows(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
 
 def audit(engine: sa.Engine) -> list[dict[str, Any]]:
     with engine.connect() as conn:
-        return [r._asdict() for r in conn.execute(sa.select(requeues).order_by(requeues.c.id))]
+        return [r._asdict() for r in conn.execute(sa.select(requeues_table).order_by(requeues_table.c.id))]
 
 
 def artifact(flow_run_id: str, key: str) -> tuple[list[dict[str, Any]], str]:
@@ -233,7 +233,7 @@ def test_a_lone_surrogate_is_refused_by_the_shared_checks() -> None:
 
 
 def test_the_audit_column_and_the_check_agree() -> None:
-    assert requeues.c.requested_by.type.length == requeue_store.REQUESTED_BY_MAX  # type: ignore[attr-defined]
+    assert requeues_table.c.requested_by.type.length == requeue_store.REQUESTED_BY_MAX  # type: ignore[attr-defined]
 
 
 # -- the Run form ---------------------------------------------------------------------------------

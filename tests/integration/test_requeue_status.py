@@ -19,7 +19,7 @@ from delivery.clock import utcnow
 from delivery.domain import LedgerStatus
 from delivery.store import catalog
 from delivery.store import requeue as requeue_store
-from delivery.store.tables import connections, requeues, rules
+from delivery.store.tables import connections_table, requeues_table, rules_table
 from flows.cli import app, main
 from tests.integration.world import RULE, World
 from tests.support.ledger import park, snapshot
@@ -60,7 +60,7 @@ def refused(monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
 
 def history_count(engine: sa.Engine) -> int:
     with engine.connect() as conn:
-        return int(conn.execute(sa.select(sa.func.count()).select_from(requeues)).scalar_one())
+        return int(conn.execute(sa.select(sa.func.count()).select_from(requeues_table)).scalar_one())
 
 
 def posts_for(target: TargetServer, key: str) -> list[str]:
@@ -353,7 +353,7 @@ def test_status_of_a_busy_rule_with_a_tripped_breaker(world: World) -> None:
     assert row["due_retries"] == 3
 
     with world.engine.begin() as conn:
-        conn.execute(connections.update().where(connections.c.name == "crm").values(status="error"))
+        conn.execute(connections_table.update().where(connections_table.c.name == "crm").values(status="error"))
     [row] = cli_json("status")
     assert row["route_open"] is False
     assert "crm" in row["route"] and "error" in row["route"] and "target" in row["route"]
@@ -377,7 +377,9 @@ def test_status_shows_no_lag_for_changes_delivered_beyond_a_cursor_that_did_not_
     world.load("a", "b")
     world.run()
     with world.engine.begin() as conn:
-        conn.execute(rules.update().where(rules.c.name == RULE).values(cursor_changed_at=None, cursor_record_id=None))
+        conn.execute(
+            rules_table.update().where(rules_table.c.name == RULE).values(cursor_changed_at=None, cursor_record_id=None)
+        )
     assert world.run()["ended_by"] == "caught_up"
     [row] = cli_json("status")
     assert row["counts"]["delivered"] == 2
