@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from delivery import decisions
 from delivery.clock import utcnow
 from delivery.domain import Cursor, Rule
-from delivery.store import ledger as ledger_store
+from delivery.store import ledger
 from delivery.store.mirror import record_digest
 
 DOMAIN = "contact"
@@ -176,7 +176,7 @@ def measure_scan(engine: sa.Engine, rule: Rule, source_id: int, n: int, batch: i
     assert rule.cursor is not None
     starts: list[Cursor | None] = [decisions.scan_start(rule)]
     starts += [cursor_at(engine, source_id, n // 2 + k * max(1, n // 20)) for k in range(1, 7)]
-    pages = [functools.partial(ledger_store.scan_page, rule=rule, after=after, limit=batch) for after in starts]
+    pages = [functools.partial(ledger.scan_page, rule=rule, after=after, limit=batch) for after in starts]
     _timed(engine, pages[0])  # connection warm-up
     samples = [_timed(engine, page) for _ in range(repeats) for page in pages]
     result = _summary(samples)
@@ -186,7 +186,7 @@ def measure_scan(engine: sa.Engine, rule: Rule, source_id: int, n: int, batch: i
 
 def measure_drain(engine: sa.Engine, rule: Rule, batch: int, runs: int = 9) -> dict[str, Any]:
     due_by = utcnow()
-    page = functools.partial(ledger_store.drain_page, rule=rule, due_by=due_by, limit=batch)
+    page = functools.partial(ledger.drain_page, rule=rule, due_by=due_by, limit=batch)
     _timed(engine, page)
     samples = [_timed(engine, page) for _ in range(runs)]
     result = _summary(samples)

@@ -26,8 +26,7 @@ from delivery.clock import utcnow
 from delivery.domain import Candidate, ChainEnd, Cursor, LedgerStatus, Phase, Rule, Verb
 from delivery.errors import MissingWriter, UnexpectedCandidate, UnsupportedDeliveryVerb
 from delivery.step import RecordStep, Send
-from delivery.store import catalog, ledger
-from delivery.store import traffic as traffic_store
+from delivery.store import catalog, ledger, traffic
 from delivery.store.preview import read_only_snapshot, scan_changes
 from delivery.writers.base import Writer, verbs_of
 from delivery.writers.registry import find_writer
@@ -260,7 +259,7 @@ def _hold(conn: sa.Connection, rule: Rule, writer_type: type[Writer] | None, now
     until = breaker.stored_open_until(conn, rule.target, now)
     if until is not None:
         return Hold(ChainEnd.BREAKER_OPEN.value, breaker.open_message(rule.target.name, until))
-    paused = traffic_store.paused_until(conn, rule.target.id, now)
+    paused = traffic.paused_until(conn, rule.target.id, now)
     if paused is not None and paused.paused_until is not None:
         return Hold(
             ChainEnd.RATE_LIMITED.value,

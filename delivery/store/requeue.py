@@ -208,7 +208,7 @@ def requeue_or_preview(
     return requeue(conn, rule, selection, by, now, flow_run_id=flow_run_id)
 
 
-def history(conn: sa.Connection, rule: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+def list_requeues(conn: sa.Connection, rule: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
     query = (
         sa.select(
             rules_table.c.name.label("rule"),

@@ -34,8 +34,7 @@ from delivery import decisions, liveness
 from delivery.apply import apply_config
 from delivery.config import parse_config
 from delivery.domain import LedgerStatus, MirrorInput
-from delivery.store import catalog
-from delivery.store import chains as chain_store
+from delivery.store import catalog, chains
 from delivery.store.ledger import CREATE_IN_FLIGHT
 from delivery.store.mirror import load_records
 from delivery.store.tables import ledger_table, mirror_records_table
@@ -340,7 +339,7 @@ class Run:
     def bury(self) -> None:
         """What the tick does for a dead chain: close the fence on it and end its row."""
         with self.engine.connect() as conn:
-            tokens = [c["token"] for c in chain_store.open_chains(conn, self.rule_id)]
+            tokens = [c["token"] for c in chains.open_chains(conn, self.rule_id)]
         for token in tokens:
             liveness.supersede(self.engine, self.rule_id, token, "killed by the test (SIGKILL)")
 

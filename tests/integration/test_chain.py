@@ -386,22 +386,22 @@ def test_writer_without_the_needed_verb_fails_the_chain_and_leaves_the_cursor(wo
 
 
 def test_ledger_row_where_the_scan_saw_none_fails_the_chain(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
-    from delivery.store import ledger as ledger_store
+    from delivery.store import ledger
 
     world.load("a")
     # Another writer settles the record behind the scan's back.
-    monkeypatch.setattr(ledger_store, "scan_page", scan_then_race(ledger_store.scan_page))
+    monkeypatch.setattr(ledger, "scan_page", scan_then_race(ledger.scan_page))
     result = world.run()
     assert result["state"] == "FAILED" and "LedgerRowConflict" in result["message"] and "'a'" in result["message"]
     assert world.cursor() is None
 
 
 def test_candidate_the_scan_should_never_return_fails_the_chain(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
-    from delivery.store import ledger as ledger_store
+    from delivery.store import ledger
 
     world.load("a")
     world.load("other", domain="company")
-    real_scan = ledger_store.scan_page
+    real_scan = ledger.scan_page
 
     def leaky_scan(conn: sa.Connection, rule, after, limit):  # type: ignore[no-untyped-def]
         import dataclasses
@@ -411,7 +411,7 @@ def test_candidate_the_scan_should_never_return_fails_the_chain(world: World, mo
         page = real_scan(conn, rule, after, limit)
         return [Candidate(dataclasses.replace(page[0].record, domain="company", external_id="other"), None)]
 
-    monkeypatch.setattr(ledger_store, "scan_page", leaky_scan)
+    monkeypatch.setattr(ledger, "scan_page", leaky_scan)
     result = world.run()
     assert result["state"] == "FAILED" and "UnexpectedCandidate" in result["message"]
     assert "other source or domain" in result["message"]

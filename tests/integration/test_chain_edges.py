@@ -16,9 +16,7 @@ from delivery.chain import Chain
 from delivery.clock import utcnow
 from delivery.domain import Candidate, ChainEnd, ConnectionStatus, LedgerStatus, Phase
 from delivery.errors import LedgerRowConflict
-from delivery.store import catalog, chains
-from delivery.store import ledger as ledger_store
-from delivery.store import requeue as requeue_store
+from delivery.store import catalog, chains, ledger, requeue
 from delivery.store.tables import breaker_states_table, ledger_table, mirror_records_table
 from delivery.writers.base import Creates, Updates, Writer
 from delivery.writers.registry import register_writer, reset_registry
@@ -166,8 +164,8 @@ def test_a_requeue_during_the_send_stands_and_the_settle_writes_nothing(world: W
             time.sleep(0.01)
         with world.engine.begin() as conn:
             rule = catalog.get_rule(conn, RULE)
-            selection = requeue_store.Selection(statuses=(LedgerStatus.FAILED,))
-            requeued.append(requeue_store.requeue(conn, rule, selection, "ops", utcnow()))
+            selection = requeue.Selection(statuses=(LedgerStatus.FAILED,))
+            requeued.append(requeue.requeue(conn, rule, selection, "ops", utcnow()))
         requeued_at.append(world.target.pending(world.key("c-1")))
 
     requeued_at: list[int] = []
@@ -193,21 +191,19 @@ def test_a_requeue_of_a_row_settled_since_it_was_read_leaves_it_alone(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _failed_create(world, "c-1")
-    real_preview = requeue_store.preview
+    real_preview = requeue.preview
     with world.engine.connect() as conn:
         rule = catalog.get_rule(conn, RULE)
-        read = real_preview(conn, rule, requeue_store.Selection(statuses=(LedgerStatus.FAILED,)))
+        read = real_preview(conn, rule, requeue.Selection(statuses=(LedgerStatus.FAILED,)))
     assert [r["external_id"] for r in read] == ["c-1"]
     world.run()  # the chain settles c-1: delivered, the row's version moves on
-    monkeypatch.setattr(requeue_store, "preview", lambda conn, rule, selection: read)
+    monkeypatch.setattr(requeue, "preview", lambda conn, rule, selection: read)
     with world.engine.begin() as conn:
-        changed = requeue_store.requeue(
-            conn, rule, requeue_store.Selection(statuses=(LedgerStatus.FAILED,)), "ops", utcnow()
-        )
+        changed = requeue.requeue(conn, rule, requeue.Selection(statuses=(LedgerStatus.FAILED,)), "ops", utcnow())
     assert changed == []
     assert world.ledger()["c-1"]["status"] == "delivered"
     with world.engine.connect() as conn:
-        assert requeue_store.history(conn, RULE) == []
+        assert requeue.list_requeues(conn, RULE) == []
 
 
 # -- a create replayed under its key after the body changed (point 12) ----------------------------
@@ -224,12 +220,12 @@ def test_a_crash_between_the_answer_and_the_settle_then_a_change_ends_with_the_l
         raise SystemExit("killed after the target took the create")
 
     with monkeypatch.context() as patched:
-        patched.setattr(ledger_store, "settle", crash)
+        patched.setattr(ledger, "settle", crash)
         with pytest.raises(SystemExit):
             chain.run_batch(Phase.SCAN)
     assert [r["name"] for r in world.target.records("contacts").values()] == ["First"]
     row = world.full_ledger_row("c-1")
-    assert row["status"] == "failed" and row["last_error"] == ledger_store.CREATE_IN_FLIGHT
+    assert row["status"] == "failed" and row["last_error"] == ledger.CREATE_IN_FLIGHT
     world.load("c-1", name="Second")
     world.make_due()
     result = world.run()
@@ -267,7 +263,7 @@ def test_a_requeued_exhausted_create_ends_with_the_latest_body(world: World) -> 
         time.sleep(0.05)
     world.load("c-1", name="Second")
     with world.engine.begin() as conn:
-        requeue_store.requeue(conn, catalog.get_rule(conn, RULE), requeue_store.Selection(), "ops", utcnow())
+        requeue.requeue(conn, catalog.get_rule(conn, RULE), requeue.Selection(), "ops", utcnow())
     world.run()
     assert [r["name"] for r in world.target.records("contacts").values()] == ["Second"]
     assert world.ledger()["c-1"]["status"] == "delivered"

@@ -41,8 +41,7 @@ from delivery.apply import apply_config
 from delivery.clock import utcnow
 from delivery.config import parse_config
 from delivery.domain import LedgerStatus, MirrorInput
-from delivery.store import ledger as ledger_store
-from delivery.store import requeue as requeue_store
+from delivery.store import ledger, requeue
 from delivery.store.mirror import load_records
 from delivery.store.tables import breaker_states_table, ledger_table, mirror_records_table
 from tests.support.chains import drive
@@ -142,7 +141,7 @@ def config(
 @contextlib.contextmanager
 def settles_die_after(count: int) -> Iterator[None]:
     """The `count` settles after this pass; the next one dies before writing."""
-    real = ledger_store.settle
+    real = ledger.settle
     lock = threading.Lock()
     left = [count]
 
@@ -156,14 +155,14 @@ def settles_die_after(count: int) -> Iterator[None]:
     def settle_many(conn: Any, rule: Any, settles: Any, now: Any) -> list[bool]:
         return [settle(conn, rule, candidate, outcome, now) for candidate, outcome in settles]
 
-    real_many = ledger_store.settle_many
-    ledger_store.settle = settle  # type: ignore[assignment]
-    ledger_store.settle_many = settle_many  # type: ignore[assignment]
+    real_many = ledger.settle_many
+    ledger.settle = settle  # type: ignore[assignment]
+    ledger.settle_many = settle_many  # type: ignore[assignment]
     try:
         yield
     finally:
-        ledger_store.settle = real  # type: ignore[assignment]
-        ledger_store.settle_many = real_many  # type: ignore[assignment]
+        ledger.settle = real  # type: ignore[assignment]
+        ledger.settle_many = real_many  # type: ignore[assignment]
 
 
 def histories(template: Path, workdir: Path, target: CountingTarget) -> type[RuleBasedStateMachine]:
@@ -278,9 +277,7 @@ def histories(template: Path, workdir: Path, target: CountingTarget) -> type[Rul
         @rule()
         def requeue(self) -> None:
             with self.engine.begin() as conn:
-                requeue_store.requeue_or_preview(
-                    conn, RULE, requeue_store.Selection.of(), "history", utcnow(), dry_run=False
-                )
+                requeue.requeue_or_preview(conn, RULE, requeue.Selection.of(), "history", utcnow(), dry_run=False)
 
         def make_due(self) -> None:
             """Time passes: longer than any retry step. So a write answered late has landed by then

@@ -17,7 +17,7 @@ from prefect import flow
 
 from delivery.clock import utcnow
 from delivery.errors import UnknownName
-from delivery.store import ledger as ledger_store
+from delivery.store import ledger
 from delivery.store.tables import ledger_table
 from flows import parked_artifact
 from flows.parked_artifact import parked_artifact_key, parked_markdown, publish_parked_set
@@ -274,9 +274,9 @@ def test_the_parked_set_is_read_by_index_seeks(engine: sa.Engine) -> None:
             captured.append(query)
             return []
 
-    ledger_store.parked_counts(Spy(), 1)  # type: ignore[arg-type]
-    ledger_store.parked_latest(Spy(), 1, 200)  # type: ignore[arg-type]
-    ledger_store.parked_errors(Spy(), 1, 10_000)  # type: ignore[arg-type]
+    ledger.parked_counts(Spy(), 1)  # type: ignore[arg-type]
+    ledger.parked_latest(Spy(), 1, 200)  # type: ignore[arg-type]
+    ledger.parked_errors(Spy(), 1, 10_000)  # type: ignore[arg-type]
     counts, latest_rows, errors = (_plan(engine, q) for q in captured)
     for plan in (latest_rows, errors):
         assert plan.count("ix_ledger_rule_id_status_updated_at_id") == 3, plan  # one seek per status

@@ -18,8 +18,7 @@ from delivery.clock import utcnow
 from delivery.config import parse_config
 from delivery.domain import ChainEnd, MirrorInput, Phase
 from delivery.errors import ConfigError
-from delivery.store import catalog
-from delivery.store import chains as chains_store
+from delivery.store import catalog, chains
 from delivery.store.mirror import load_records
 from delivery.store.tables import (
     chains_table,
@@ -338,7 +337,7 @@ def test_on_postgresql_a_move_waits_for_a_settle_in_flight_and_retires_its_row(w
     with world.engine.connect() as settle:
         settle.begin()
         # A settle of the claimed chain, between its fence check and its commit.
-        assert chains_store.holds_fence_for_settle(settle, rule.id, chain.token, rule.target.id)[0]
+        assert chains.holds_fence_for_settle(settle, rule.id, chain.token, rule.target.id)[0]
         settle.execute(
             ledger_table.insert().values(
                 rule_id=rule.id,

@@ -26,7 +26,7 @@ from delivery import chain as chain_module
 from delivery.clock import utcnow
 from delivery.domain import ChainEnd
 from delivery.errors import Unauthorized
-from delivery.store import ledger as ledger_store
+from delivery.store import ledger
 from delivery.store.tables import breaker_states_table, ledger_table
 from tests.integration.world import RULE, World, email
 from tests.support.chains import drive
@@ -49,8 +49,8 @@ def settles_die(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         raise Abandoned
 
     with monkeypatch.context() as patched:
-        patched.setattr(ledger_store, "settle", die)
-        patched.setattr(ledger_store, "settle_many", die)
+        patched.setattr(ledger, "settle", die)
+        patched.setattr(ledger, "settle_many", die)
         yield
 
 

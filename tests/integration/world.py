@@ -12,8 +12,7 @@ from delivery.apply import apply_config
 from delivery.clock import utcnow
 from delivery.config import parse_config
 from delivery.domain import Cursor, MirrorInput
-from delivery.store import catalog
-from delivery.store import ledger as ledger_store
+from delivery.store import catalog, ledger
 from delivery.store.mirror import load_records
 from delivery.store.tables import ledger_table, mirror_records_table, rules_table
 from flows.deliver_rule import run_now
@@ -78,7 +77,7 @@ class World:
 
     def ledger(self, rule: str = RULE) -> dict[str, dict[str, Any]]:
         with self.engine.connect() as conn:
-            return {row["external_id"]: row for row in ledger_store.ledger_rows(conn, rule)}
+            return {row["external_id"]: row for row in ledger.ledger_rows(conn, rule)}
 
     def full_ledger_row(self, external_id: str) -> dict[str, Any]:
         with self.engine.connect() as conn:

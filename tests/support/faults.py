@@ -10,8 +10,7 @@ import sqlalchemy as sa
 
 from delivery.clock import utcnow
 from delivery.domain import ConnectionStatus
-from delivery.store import catalog
-from delivery.store import ledger as ledger_store
+from delivery.store import catalog, ledger
 from delivery.store.tables import breaker_states_table
 from tests.integration.world import RULE, World
 
@@ -40,7 +39,7 @@ def scan_then_race(real: Callable[..., Any]) -> Callable[..., Any]:
         page = real(conn, rule, after, limit)
         for candidate in page:
             conn.execute(
-                ledger_store.ledger.insert().values(
+                ledger.ledger.insert().values(
                     rule_id=rule.id,
                     record_id=candidate.record.id,
                     status="delivered",
