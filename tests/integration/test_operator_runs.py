@@ -28,7 +28,7 @@ from delivery.errors import MissingWriter, TargetUnavailable
 from delivery.liveness import LEASE_SECONDS
 from delivery.store import catalog, chains
 from delivery.store.breaker import DatabaseBreakerStorage
-from delivery.store.tables import breaker_states_table, connections_table, rules_table
+from delivery.store.tables import breaker_states_table, chains_table, connections_table, rules_table
 from flows.chain_reporting import records_artifact_key
 from flows.cli import app
 from flows.deliver_rule import deliver_rule, fault_state_name, launched
@@ -244,7 +244,7 @@ def test_the_records_artifact_lists_what_this_chain_left_and_its_requeue_command
     (command,) = [line for line in markdown.splitlines() if line.startswith("delivery requeue ")]
     with world.engine.connect() as conn:
         started = conn.execute(
-            sa.select(chains.chains.c.started_at).where(chains.chains.c.flow_run_id == second["flow_run_id"])
+            sa.select(chains_table.c.started_at).where(chains_table.c.flow_run_id == second["flow_run_id"])
         ).scalar_one()
     assert shlex.split(command) == [
         "delivery", "requeue", RULE,

@@ -10,8 +10,8 @@ import sqlalchemy as sa
 
 from delivery.clock import utcnow
 from delivery.domain import ConnectionStatus
-from delivery.store import catalog, ledger
-from delivery.store.tables import breaker_states_table
+from delivery.store import catalog
+from delivery.store.tables import breaker_states_table, ledger_table
 from tests.integration.world import RULE, World
 
 
@@ -39,7 +39,7 @@ def scan_then_race(real: Callable[..., Any]) -> Callable[..., Any]:
         page = real(conn, rule, after, limit)
         for candidate in page:
             conn.execute(
-                ledger.ledger.insert().values(
+                ledger_table.insert().values(
                     rule_id=rule.id,
                     record_id=candidate.record.id,
                     status="delivered",
