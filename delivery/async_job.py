@@ -134,7 +134,7 @@ class AsyncJob(GroupedJob):
         cuts: list[ChainEnd] = []
         errors: list[BaseException] = []
         pending = iter(range(len(self.candidates)))
-        breaker = context.new_lane()  # one breaker for the tasks: pybreaker holds no lock across an await
+        breaker = context.new_worker_breaker()  # one breaker for the tasks: pybreaker holds no lock across an await
 
         async def worker() -> None:
             try:

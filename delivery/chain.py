@@ -120,7 +120,7 @@ class Chain:
         #: The latest the job in progress may still make a request (see `_job_deadline`).
         self._deadline: datetime | None = None
         #: The workers' breakers, the chain's own first (see `_work`).
-        self._lanes: list[TargetBreaker] = []
+        self._worker_breakers: list[TargetBreaker] = []
         self._secret: str | None = None
         self._secrets: SecretReader | None = None
         self._heartbeat = Heartbeat(self.token, clock, liveness.HEARTBEAT_SECONDS)
@@ -139,7 +139,7 @@ class Chain:
         if closed is not None:
             return self._end(*closed)
         self._breaker = TargetBreaker(self.engine, rule, self._breaker_listeners)
-        self._lanes = [self._breaker]
+        self._worker_breakers = [self._breaker]
         until = self._breaker.open_until(self.clock())
         if until is not None:
             return self._end(ChainEnd.BREAKER_OPEN, self._breaker_message(until))
@@ -205,7 +205,7 @@ class Chain:
         if saved.target.breaker != self.rule.target.breaker:
             # Same target row, new thresholds: new breakers over the same shared state.
             self._breaker = TargetBreaker(self.engine, saved, self._breaker_listeners)
-            self._lanes = [self._breaker]
+            self._worker_breakers = [self._breaker]
         self._equip(saved)
 
     @property
@@ -407,18 +407,18 @@ class Chain:
         deadline and workers' breakers."""
         assert self._breaker is not None and self._writer is not None and self._deadline is not None
         rule = self.rule
-        lanes: list[TargetBreaker] = []
+        taken: list[TargetBreaker] = []
 
-        def new_lane() -> TargetBreaker:
+        def new_worker_breaker() -> TargetBreaker:
             # pybreaker holds its lock across the call, so each worker gets a breaker of its own;
             # they share one state through the database, as separate processes would. Made once
             # per chain (each costs round trips) and handed to the next batch's workers: a batch's
             # workers have all stopped before the next batch starts.
-            if len(lanes) == len(self._lanes):
-                self._lanes.append(TargetBreaker(self.engine, self.rule, self._breaker_listeners))
-            lane = self._lanes[len(lanes)]
-            lanes.append(lane)
-            return lane
+            if len(taken) == len(self._worker_breakers):
+                self._worker_breakers.append(TargetBreaker(self.engine, self.rule, self._breaker_listeners))
+            breaker = self._worker_breakers[len(taken)]
+            taken.append(breaker)
+            return breaker
 
         return JobContext(
             engine=self.engine,
@@ -430,8 +430,8 @@ class Chain:
             heartbeat=self._heartbeat,
             deadline=self._deadline,
             workers=rule.concurrency if self._writer.thread_safe else 1,
-            new_lane=new_lane,
-            lanes=lanes,
+            new_worker_breaker=new_worker_breaker,
+            worker_breakers=taken,
         )
 
     def _superseded(self, report: BatchReport, conn: sa.Connection | None = None) -> BatchReport:
