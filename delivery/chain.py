@@ -278,7 +278,7 @@ class Chain:
                 report.ended_by = ChainEnd.SUPERSEDED
                 report.message = (
                     f"chain superseded: a newer chain of rule {rule.name!r} (flow run "
-                    f"{newer['flow_run_id'] or '-'}) is waiting for the rule and takes over"
+                    f"{newer.flow_run_id or '-'}) is waiting for the rule and takes over"
                 )
                 self.report.add(report)
                 return report

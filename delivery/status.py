@@ -54,17 +54,17 @@ def _last_chain(conn: sa.Connection, rule: Rule) -> dict[str, Any] | None:
     last = chains.last_chain(conn, rule.id)
     if last is None:
         return None
-    ended_by: str | None = last["ended_by"] if last["ended_at"] else None
+    ended_by: str | None = last.ended_by if last.ended_at else None
     state_name = RUN_STATE_NAMES[ChainEnd(ended_by)] if ended_by in {end.value for end in ChainEnd} else None
     return {
-        "started_at": last["started_at"].isoformat(),
-        "ended_at": last["ended_at"].isoformat() if last["ended_at"] else None,
-        "ended_by": last["ended_by"],
-        "message": last["message"],
-        "flow_run_id": last["flow_run_id"],
+        "started_at": last.started_at.isoformat(),
+        "ended_at": last.ended_at.isoformat() if last.ended_at else None,
+        "ended_by": last.ended_by,
+        "message": last.message,
+        "flow_run_id": last.flow_run_id,
         # The state its run ended in (None while it runs), and the fault of a Failed one.
         "state_name": state_name,
-        "fault": fault_of(ended_by, last["message"]),
+        "fault": fault_of(ended_by, last.message),
     }
 
 

@@ -378,7 +378,7 @@ def summary(rule: str, state: State[Any]) -> dict[str, Any]:
     flow_run_id = str(state.state_details.flow_run_id)
     with shared_engine().connect().execution_options(readonly=True) as conn:
         chain = chains.chain_by_flow_run(conn, flow_run_id)
-    report: dict[str, Any] = dict((chain or {}).get("report") or {})
+    report: dict[str, Any] = dict((chain.report if chain else None) or {})
     empty = {s.value: 0 for s in LedgerStatus}
     return {
         "rule": rule,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -187,8 +188,19 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         self._set(opened_at=value)
 
 
-def breaker_state(conn: sa.Connection, connection_id: int) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class BreakerStateRow:
+    """One row of the `breaker_states` table: a target's stored breaker."""
+
+    connection_id: int
+    state: str
+    fail_counter: int
+    success_counter: int
+    opened_at: datetime | None
+
+
+def breaker_state(conn: sa.Connection, connection_id: int) -> BreakerStateRow | None:
     row = conn.execute(
         sa.select(breaker_states_table).where(breaker_states_table.c.connection_id == connection_id)
     ).one_or_none()
-    return None if row is None else row._asdict()
+    return None if row is None else BreakerStateRow(**row._asdict())

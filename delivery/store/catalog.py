@@ -285,7 +285,7 @@ def _move_route(
     )
     # Every chain not ended yet, not only the one holding the fence: a chain that has read the
     # old rule but not yet claimed it (its first job waiting for the lock) must not claim it now.
-    tokens = {chain["token"] for chain in chains.open_chains(conn, rule_id)}
+    tokens = {chain.token for chain in chains.open_chains(conn, rule_id)}
     if current.chain_token is not None:
         tokens.add(current.chain_token)
     for token in sorted(tokens):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -11,6 +12,30 @@ import sqlalchemy as sa
 
 from delivery.domain import ChainReport, Cursor
 from delivery.store.tables import breaker_states_table, chains_table, rules_table
+
+
+@dataclass(frozen=True)
+class ChainRow:
+    """One row of the `chains` table, as the store reads it."""
+
+    token: str
+    rule_id: int
+    flow_run_id: str | None
+    started_at: datetime
+    heartbeat_at: datetime
+    ended_at: datetime | None
+    ended_by: str | None
+    message: str | None
+    #: The chain's report as recorded at its end (`ChainReport.as_json`), None before.
+    report: dict[str, Any] | None
+    #: The holder of the rule lock while one of the chain's jobs runs (see the table).
+    lease_id: str | None
+    holder_host: str | None
+    holder_pid: int | None
+
+
+def _chain_row(row: sa.Row[Any]) -> ChainRow:
+    return ChainRow(**row._asdict())
 
 
 def start_chain(conn: sa.Connection, rule_id: int, flow_run_id: str | None, now: datetime) -> str:
@@ -63,12 +88,12 @@ def claim(conn: sa.Connection, rule_id: int, token: str, started_at: datetime) -
 
 def newer_waiting(
     conn: sa.Connection, rule_id: int, token: str, started_at: datetime, alive_since: datetime
-) -> dict[str, Any] | None:
+) -> ChainRow | None:
     """A chain of the rule started after `token`, not ended, with a heartbeat since `alive_since`:
     one waiting for the rule lock while `token` holds it job after job. A range seek on
     (rule_id, started_at) over the few chains newer than this one."""
     row = conn.execute(
-        sa.select(chains_table.c.token, chains_table.c.flow_run_id)
+        sa.select(chains_table)
         .where(
             chains_table.c.rule_id == rule_id,
             chains_table.c.started_at >= started_at,
@@ -80,7 +105,7 @@ def newer_waiting(
         .order_by(chains_table.c.started_at.desc())
         .limit(1)
     ).first()
-    return None if row is None else row._asdict()
+    return None if row is None else _chain_row(row)
 
 
 def holds_fence(conn: sa.Connection, rule_id: int, token: str) -> bool:
@@ -188,29 +213,29 @@ def end_chain(conn: sa.Connection, report: ChainReport, now: datetime) -> None:
     )
 
 
-def chain_by_flow_run(conn: sa.Connection, flow_run_id: str) -> dict[str, Any] | None:
+def chain_by_flow_run(conn: sa.Connection, flow_run_id: str) -> ChainRow | None:
     row = conn.execute(sa.select(chains_table).where(chains_table.c.flow_run_id == flow_run_id)).one_or_none()
-    return None if row is None else row._asdict()
+    return None if row is None else _chain_row(row)
 
 
-def last_chain(conn: sa.Connection, rule_id: int) -> dict[str, Any] | None:
+def last_chain(conn: sa.Connection, rule_id: int) -> ChainRow | None:
     row = conn.execute(
         sa.select(chains_table)
         .where(chains_table.c.rule_id == rule_id)
         .order_by(chains_table.c.started_at.desc())
         .limit(1)
     ).one_or_none()
-    return None if row is None else row._asdict()
+    return None if row is None else _chain_row(row)
 
 
-def open_chains(conn: sa.Connection, rule_id: int) -> list[dict[str, Any]]:
+def open_chains(conn: sa.Connection, rule_id: int) -> list[ChainRow]:
     """Chains of the rule that have not ended, newest first."""
     rows = conn.execute(
         sa.select(chains_table)
         .where(chains_table.c.rule_id == rule_id, chains_table.c.ended_at.is_(None))
         .order_by(chains_table.c.started_at.desc())
     )
-    return [row._asdict() for row in rows]
+    return [_chain_row(row) for row in rows]
 
 
 def record_lock(
@@ -224,11 +249,11 @@ def record_lock(
     )
 
 
-def lock_holders(conn: sa.Connection, rule_id: int) -> list[dict[str, Any]]:
+def lock_holders(conn: sa.Connection, rule_id: int) -> list[ChainRow]:
     rows = conn.execute(
         sa.select(chains_table).where(chains_table.c.rule_id == rule_id, chains_table.c.lease_id.is_not(None))
     )
-    return [row._asdict() for row in rows]
+    return [_chain_row(row) for row in rows]
 
 
 def attach_flow_run(conn: sa.Connection, token: str, flow_run_id: str) -> None:

@@ -339,7 +339,7 @@ class Run:
     def bury(self) -> None:
         """What the tick does for a dead chain: close the fence on it and end its row."""
         with self.engine.connect() as conn:
-            tokens = [c["token"] for c in chains.open_chains(conn, self.rule_id)]
+            tokens = [c.token for c in chains.open_chains(conn, self.rule_id)]
         for token in tokens:
             liveness.supersede(self.engine, self.rule_id, token, "killed by the test (SIGKILL)")
 

@@ -61,4 +61,4 @@ def test_the_handover_finds_a_waiter_alive_at_its_window_and_not_past_it(
     waiter = _chain(world, NOW - timedelta(minutes=1), NOW - window - age)
     with world.engine.connect() as conn:
         newer = liveness.newer_waiting(conn, _rule_id(world), holder, holder_started, NOW)
-    assert (newer is not None and newer["token"] == waiter) is handed_over
+    assert (newer is not None and newer.token == waiter) is handed_over
