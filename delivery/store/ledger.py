@@ -16,6 +16,8 @@ from delivery.store.tables import ledger_table, mirror_records_table, rules_tabl
 
 _L = [c.label(f"l_{c.name}") for c in ledger_table.c]
 _M = [c.label(f"m_{c.name}") for c in mirror_records_table.c]
+#: The ledger columns whose `LedgerRow` field is named otherwise (the columns keep their first names).
+_COLUMN_OF = {"delivered_digest": "fingerprint", "create_digest": "create_fingerprint"}
 #: Rows the scan offers again once their record's change signal moves.
 _REOFFERED = (LedgerStatus.DELIVERED.value, LedgerStatus.SUPPRESSED.value)
 
@@ -144,15 +146,16 @@ def record_create_intent(
     if row is None:
         row_id = _insert(conn, rule, candidate, _intent_values(digest, now))
         return _intent_row(rule, candidate, digest, now, row_id)
-    changes: dict[str, Any] = {}
+    changes: dict[str, Any] = {}  # by LedgerRow field
     if row.create_digest is None:
-        changes["create_fingerprint"] = digest
+        changes["create_digest"] = digest
     if follow_up and not row.in_doubt:
         changes["in_doubt"] = True
     if not changes:
         return row  # the first body under this key is known already, and no doubt to declare
+    columns = {_COLUMN_OF.get(name, name): value for name, value in changes.items()}
     result = conn.execute(
-        _UPDATE, {"row_id": row.id, "read_version": row.version, "version": row.version + 1, **changes}
+        _UPDATE, {"row_id": row.id, "read_version": row.version, "version": row.version + 1, **columns}
     )
     if result.rowcount == 0:
         return None
