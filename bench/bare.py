@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from delivery import policy
+from delivery import decisions
 from delivery.writers.pools import shard_sizes
 
 
@@ -43,7 +43,7 @@ def post_all(
                 if index is None:
                     return
                 external_id, body = records[index]
-                key = policy.idempotency_key(key_scope, external_id, 0)
+                key = decisions.idempotency_key(key_scope, external_id, 0)
                 response = client.post(collection, json=body, headers={"Idempotency-Key": key})
                 if response.status_code != 201 or not response.json().get("id"):
                     raise RuntimeError(f"bare POST {collection}: HTTP {response.status_code}: {response.text[:200]}")
@@ -100,7 +100,7 @@ def post_all_async(
             async def worker(client: httpx.AsyncClient) -> None:
                 while (index := next(pending, None)) is not None:
                     external_id, body = records[index]
-                    key = policy.idempotency_key(key_scope, external_id, 0)
+                    key = decisions.idempotency_key(key_scope, external_id, 0)
                     response = await client.post(collection, json=body, headers={"Idempotency-Key": key})
                     if response.status_code != 201 or not response.json().get("id"):
                         raise RuntimeError(

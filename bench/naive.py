@@ -16,7 +16,7 @@ import httpx
 from prefect import flow, task, unmapped
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from delivery import policy
+from delivery import decisions
 
 _clients: dict[str, httpx.Client] = {}
 
@@ -30,7 +30,7 @@ def _client(base_url: str) -> httpx.Client:
 
 @task(name="deliver-record")
 def deliver_record(base_url: str, collection: str, key_scope: str, external_id: str, body: dict[str, Any]) -> str:
-    key = policy.idempotency_key(key_scope, external_id, 0)
+    key = decisions.idempotency_key(key_scope, external_id, 0)
     response = _client(base_url).post(collection, json=body, headers={"Idempotency-Key": key})
     response.raise_for_status()
     return str(response.json()["id"])

@@ -54,9 +54,7 @@ from bench.world import StatementCounter, apply, records, rule_entry, target_con
 from delivery import db
 from delivery.chain import Chain
 from delivery.domain import MirrorInput, Phase
-from delivery.store import breaker as breaker_store
-from delivery.store import chains as chains_store
-from delivery.store import ledger as ledger_store
+from delivery.store import breaker, chains, ledger
 from delivery.store.mirror import load_records
 
 PROFILE_DATABASE = "delivery_bench_profile"
@@ -128,14 +126,14 @@ class Buckets:
 def instrument(buckets: Buckets) -> None:
     buckets.wrap(httpx.Client, "send", "http round trip")
     for attr in ("_get", "_set", "reset_counter", "_ensure_row"):
-        buckets.wrap(breaker_store.DatabaseBreakerStorage, attr, "breaker storage")
-    buckets.wrap(chains_store, "holds_fence_for_settle", "fence check")
-    buckets.wrap(chains_store, "holds_fence", "fence check")
-    buckets.wrap(chains_store, "claim", "fence check")
-    buckets.wrap(ledger_store, "settle", "settle")
-    buckets.wrap(chains_store, "heartbeat", "heartbeat")
-    buckets.wrap(ledger_store, "scan_page", "page query")
-    buckets.wrap(chains_store, "move_cursor", "cursor")
+        buckets.wrap(breaker.DatabaseBreakerStorage, attr, "breaker storage")
+    buckets.wrap(chains, "holds_fence_for_settle", "fence check")
+    buckets.wrap(chains, "holds_fence", "fence check")
+    buckets.wrap(chains, "claim", "fence check")
+    buckets.wrap(ledger, "settle", "settle")
+    buckets.wrap(chains, "heartbeat", "heartbeat")
+    buckets.wrap(ledger, "scan_page", "page query")
+    buckets.wrap(chains, "move_cursor", "cursor")
     buckets.wrap(sa.engine.Engine, "raw_connection", "pool checkout")
     buckets.wrap(sa.engine.Connection, "_begin_impl", "BEGIN")
     buckets.wrap(sa.engine.Connection, "_commit_impl", "COMMIT")
@@ -163,21 +161,21 @@ def variant(name: str) -> Iterator[dict[str, Any]]:
     parts = {"no-record-db": {"no-settle", "memory-breaker"}}.get(name, {name})
     if "memory-breaker" in parts:
         setattr(breaker_module, "DatabaseBreakerStorage", MemoryBreakerStorage)  # noqa: B010
-        undo.append(lambda: setattr(breaker_module, "DatabaseBreakerStorage", breaker_store.DatabaseBreakerStorage))
+        undo.append(lambda: setattr(breaker_module, "DatabaseBreakerStorage", breaker.DatabaseBreakerStorage))
     if "no-pre-ping" in parts:
         options["pre_ping"] = False
     if "no-settle" in parts:
-        saved = (chains_store.holds_fence_for_settle, ledger_store.settle, chains_store.heartbeat)
+        saved = (chains.holds_fence_for_settle, ledger.settle, chains.heartbeat)
 
         def skip(*_: Any) -> None:
             return None
 
-        setattr(chains_store, "holds_fence_for_settle", lambda *_: (True, None))  # noqa: B010
-        setattr(ledger_store, "settle", lambda *_: True)  # noqa: B010  (True: "settled", as a real one says)
-        setattr(chains_store, "heartbeat", skip)  # noqa: B010
+        setattr(chains, "holds_fence_for_settle", lambda *_: (True, None))  # noqa: B010
+        setattr(ledger, "settle", lambda *_: True)  # noqa: B010  (True: "settled", as a real one says)
+        setattr(chains, "heartbeat", skip)  # noqa: B010
 
         def restore() -> None:
-            chains_store.holds_fence_for_settle, ledger_store.settle, chains_store.heartbeat = saved
+            chains.holds_fence_for_settle, ledger.settle, chains.heartbeat = saved
 
         undo.append(restore)
     try:

@@ -451,7 +451,7 @@ def run_mirror_size(
             warm_id = catalog.get_rule(conn, warm_rule).id
         started = time.perf_counter()
         mirror.fill_mirror(engine, source_id, n, mirror.base_time(n))
-        mirror.check_content_hash(engine, source_id, n // 3 + 1)
+        mirror.check_record_digest(engine, source_id, n // 3 + 1)
         ledger_counts = mirror.fill_ledger(engine, scan_id, source_id, n, batch, datetime.now(UTC))
         mirror.set_cursor(engine, scan_id, mirror.cursor_at(engine, source_id, n // 2))
         # overlap 0: the scan starts at the cursor's change signal, the cursor's record included.

@@ -61,7 +61,7 @@ class AsyncJob(GroupedJob):
         self._main: tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]] | None = None
         self._main_lock = threading.Lock()
 
-    def _deliver(self, signals: Signals, groups: SettleGroups[_Settle]) -> list[Any]:
+    def _deliver(self, signals: Signals, groups: SettleGroups[_Settle]) -> list[ChainEnd]:
         done: dict[str, Any] = {}
         # Waited on instead of `Thread.join`: an exception raised into a thread inside `join` can
         # leave the joined thread marked as stopped while it still runs (CPython's join releases
@@ -95,7 +95,7 @@ class AsyncJob(GroupedJob):
         thread.join()  # its last steps: the loop has closed
         if "error" in done:
             raise done["error"]
-        cuts: list[Any] = done["cuts"]
+        cuts: list[ChainEnd] = done["cuts"]
         return cuts
 
     def _cancel_main(self) -> None:
@@ -106,7 +106,7 @@ class AsyncJob(GroupedJob):
             with contextlib.suppress(RuntimeError):  # the loop has closed: it ran to its end already
                 loop.call_soon_threadsafe(task.cancel)
 
-    async def _send_all(self, signals: Signals, groups: SettleGroups[_Settle]) -> list[Any]:
+    async def _send_all(self, signals: Signals, groups: SettleGroups[_Settle]) -> list[ChainEnd]:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
@@ -131,10 +131,10 @@ class AsyncJob(GroupedJob):
                 windows[window] = loop.run_in_executor(db, self._prepare_window_once, window)
             return windows[window]
 
-        cuts: list[Any] = []
+        cuts: list[ChainEnd] = []
         errors: list[BaseException] = []
         pending = iter(range(len(self.candidates)))
-        breaker = context.new_lane()  # one breaker for the tasks: pybreaker holds no lock across an await
+        breaker = context.new_worker_breaker()  # one breaker for the tasks: pybreaker holds no lock across an await
 
         async def worker() -> None:
             try:

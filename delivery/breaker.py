@@ -78,7 +78,7 @@ def stored_open_until(conn: sa.Connection, target: Connection, now: datetime) ->
     row = breaker_state(conn, target.id)
     if row is None:
         return None
-    return _open_until(row["state"], row["opened_at"], target.breaker.reset_seconds, now)
+    return _open_until(row.state, row.opened_at, target.breaker.reset_seconds, now)
 
 
 def open_message(target: str, until: datetime | None) -> str:
@@ -90,14 +90,14 @@ def open_message(target: str, until: datetime | None) -> str:
 def state_in_words(conn: sa.Connection, target: Connection, now: datetime) -> str:
     """The target's breaker as `delivery status` shows it, read from the stored state."""
     state = breaker_state(conn, target.id)
-    if state is None or state["state"] == pybreaker.STATE_CLOSED:
-        return "closed" if state is None or not state["fail_counter"] else f"closed ({state['fail_counter']} failures)"
-    until = reopens_at(state["opened_at"], target.breaker.reset_seconds)
-    if state["state"] == pybreaker.STATE_OPEN and until is not None:
+    if state is None or state.state == pybreaker.STATE_CLOSED:
+        return "closed" if state is None or not state.fail_counter else f"closed ({state.fail_counter} failures)"
+    until = reopens_at(state.opened_at, target.breaker.reset_seconds)
+    if state.state == pybreaker.STATE_OPEN and until is not None:
         if until > now:
             return f"open until {until.isoformat(timespec='seconds')}"
         return "open (a trial call is due)"
-    return str(state["state"])
+    return str(state.state)
 
 
 class BreakerListener(pybreaker.CircuitBreakerListener):

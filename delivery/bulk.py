@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from delivery import policy
+from delivery import decisions
 from delivery.breaker import TargetBreaker
 from delivery.domain import Candidate, ChainEnd, Phase, Verb
 from delivery.errors import TargetUnavailable, Unauthorized
@@ -126,7 +126,7 @@ class BulkJob(GroupedJob):
             assert isinstance(plan, Send)
             if verb is Verb.CREATE:
                 generation = row.create_generation if row else 0
-                key = policy.idempotency_key(
+                key = decisions.idempotency_key(
                     rule.name, self.candidates[i].record.external_id, generation, rule.key_epoch
                 )
                 items.append(CreateItem(plan.body, key))

@@ -25,7 +25,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from delivery import liveness, policy
+from delivery import decisions, liveness
 from delivery.async_job import AsyncJob
 from delivery.breaker import BreakerListener, TargetBreaker, open_message
 from delivery.bulk import BulkJob, offers_batches
@@ -112,7 +112,7 @@ class Chain:
         self.report = ChainReport(
             rule=self.rule.name, token=self.token, cursor_before=self.rule.cursor, cursor_after=self.rule.cursor
         )
-        self._scan_from: Cursor | None = policy.scan_start(self.rule)
+        self._scan_from: Cursor | None = decisions.scan_start(self.rule)
         self._writer: Writer | None = None
         self._step: RecordStep | None = None
         self._breaker: TargetBreaker | None = None
@@ -120,7 +120,7 @@ class Chain:
         #: The latest the job in progress may still make a request (see `_job_deadline`).
         self._deadline: datetime | None = None
         #: The workers' breakers, the chain's own first (see `_work`).
-        self._lanes: list[TargetBreaker] = []
+        self._worker_breakers: list[TargetBreaker] = []
         self._secret: str | None = None
         self._secrets: SecretReader | None = None
         self._heartbeat = Heartbeat(self.token, clock, liveness.HEARTBEAT_SECONDS)
@@ -135,11 +135,11 @@ class Chain:
         `secrets` reads the Prefect Secret block a target's `token_secret` names (the flows layer
         gives it); the token is read here, once per chain, so a changed one counts from the next."""
         rule = self.rule
-        closed = policy.gate(rule)
+        closed = decisions.gate(rule)
         if closed is not None:
             return self._end(*closed)
         self._breaker = TargetBreaker(self.engine, rule, self._breaker_listeners)
-        self._lanes = [self._breaker]
+        self._worker_breakers = [self._breaker]
         until = self._breaker.open_until(self.clock())
         if until is not None:
             return self._end(ChainEnd.BREAKER_OPEN, self._breaker_message(until))
@@ -205,7 +205,7 @@ class Chain:
         if saved.target.breaker != self.rule.target.breaker:
             # Same target row, new thresholds: new breakers over the same shared state.
             self._breaker = TargetBreaker(self.engine, saved, self._breaker_listeners)
-            self._lanes = [self._breaker]
+            self._worker_breakers = [self._breaker]
         self._equip(saved)
 
     @property
@@ -278,14 +278,14 @@ class Chain:
                 report.ended_by = ChainEnd.SUPERSEDED
                 report.message = (
                     f"chain superseded: a newer chain of rule {rule.name!r} (flow run "
-                    f"{newer['flow_run_id'] or '-'}) is waiting for the rule and takes over"
+                    f"{newer.flow_run_id or '-'}) is waiting for the rule and takes over"
                 )
                 self.report.add(report)
                 return report
             # The gate again at every job, under the lock: a connection set to error or disabled
             # mid-chain stops the chain at its next job, not at the next tick.
             fresh = catalog.get_rule(conn, rule.name)
-            closed = policy.gate(fresh)
+            closed = decisions.gate(fresh)
             if closed is not None:
                 report.ended_by, report.message = closed
                 self.report.add(report)
@@ -293,11 +293,11 @@ class Chain:
             if not self._cursor_read:
                 self._cursor_read = True
                 self.report.cursor_before = self.report.cursor_after = fresh.cursor
-                self._scan_from = policy.scan_start(dataclasses.replace(rule, cursor=fresh.cursor))
+                self._scan_from = decisions.scan_start(dataclasses.replace(rule, cursor=fresh.cursor))
             # A rule saved since the last job (`delivery apply`) counts from this job on: its page
             # is read with the saved batch size, and its records planned and sent by the saved
             # rule (taken over below, once this transaction has ended).
-            saved = fresh if policy.rule_changed(rule, fresh) else None
+            saved = fresh if decisions.rule_changed(rule, fresh) else None
             rule = saved or rule
             self._heartbeat(conn, every=0)
             if phase is Phase.DRAIN:
@@ -407,18 +407,18 @@ class Chain:
         deadline and workers' breakers."""
         assert self._breaker is not None and self._writer is not None and self._deadline is not None
         rule = self.rule
-        lanes: list[TargetBreaker] = []
+        taken: list[TargetBreaker] = []
 
-        def new_lane() -> TargetBreaker:
+        def new_worker_breaker() -> TargetBreaker:
             # pybreaker holds its lock across the call, so each worker gets a breaker of its own;
             # they share one state through the database, as separate processes would. Made once
             # per chain (each costs round trips) and handed to the next batch's workers: a batch's
             # workers have all stopped before the next batch starts.
-            if len(lanes) == len(self._lanes):
-                self._lanes.append(TargetBreaker(self.engine, self.rule, self._breaker_listeners))
-            lane = self._lanes[len(lanes)]
-            lanes.append(lane)
-            return lane
+            if len(taken) == len(self._worker_breakers):
+                self._worker_breakers.append(TargetBreaker(self.engine, self.rule, self._breaker_listeners))
+            breaker = self._worker_breakers[len(taken)]
+            taken.append(breaker)
+            return breaker
 
         return JobContext(
             engine=self.engine,
@@ -430,8 +430,8 @@ class Chain:
             heartbeat=self._heartbeat,
             deadline=self._deadline,
             workers=rule.concurrency if self._writer.thread_safe else 1,
-            new_lane=new_lane,
-            lanes=lanes,
+            new_worker_breaker=new_worker_breaker,
+            worker_breakers=taken,
         )
 
     def _superseded(self, report: BatchReport, conn: sa.Connection | None = None) -> BatchReport:

@@ -1,5 +1,7 @@
-"""Canonical JSON and its digest: the one recipe behind every stored hash (a ledger row's
-`fingerprint`, a mirror row's `content_hash`). A leaf: it imports nothing of the project.
+"""Canonical JSON and its digest: the one recipe behind every stored hash (a ledger
+row's `delivered_digest` and `create_digest` from `body_digest`, a mirror row's `record_digest`;
+the columns keep their older names `fingerprint`, `create_fingerprint` and `content_hash`).
+A leaf: it imports nothing of the project.
 
 Changing the recipe changes every stored digest: every mirror row would look changed on the next
 load and every unchanged payload would be sent again. tests/unit/test_digest.py pins it."""

@@ -192,7 +192,7 @@ class Rule:
     enabled: bool
     cursor: Cursor | None
     concurrency: int = 1
-    #: Moved by every change of source or domain; part of the Idempotency-Key (see policy).
+    #: Moved by every change of source or domain; part of the Idempotency-Key (see `decisions.idempotency_key`).
     key_epoch: int = 0
 
 
@@ -275,12 +275,12 @@ class LedgerRow:
     next_attempt_at: datetime | None
     last_error: str | None
     settled_changed_at: datetime | None
-    fingerprint: str | None
+    delivered_digest: str | None
     create_generation: int
     version: int = 0
-    create_fingerprint: str | None = None
+    create_digest: str | None = None
     #: A write may have reached the target without its answer being recorded: what the target
-    #: holds is unknown (see `delivery.policy.plan_write`).
+    #: holds is unknown (see `delivery.decisions.plan_write`).
     in_doubt: bool = False
 
 
@@ -301,7 +301,7 @@ class Outcome:
     attempts: int = 0
     next_attempt_at: datetime | None = None
     last_error: str | None = None
-    fingerprint: str | None = None
+    delivered_digest: str | None = None
     create_generation: int = 0
     #: What the target holds is unknown after this attempt (its answer was not seen, or an
     #: earlier write's never was).

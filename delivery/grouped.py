@@ -112,7 +112,9 @@ class GroupedJob:
 
         # Pooled even for one worker: an exception from a step is then a fault of the job (its
         # gathered outcomes are committed), one raised into this thread an interruption.
-        _, cuts = work_through(self._units(), self.context.workers, self.context.new_lane, step, signals, pooled=True)
+        _, cuts = work_through(
+            self._units(), self.context.workers, self.context.new_worker_breaker, step, signals, pooled=True
+        )
         return cuts
 
     def _units(self) -> int:
@@ -191,7 +193,7 @@ class GroupedJob:
         if creates or updates:
             intents: dict[int, LedgerRow | None] = {}
             with context.engine.begin() as conn:
-                if not context.fenced_lanes(conn):
+                if not context.fence_held_for_workers(conn):
                     self.superseded = True
                     return
                 # One executemany for the creates' new rows, one statement for the updates' doubt:
@@ -229,7 +231,7 @@ class GroupedJob:
     def _settle_together(self, group: list[_Settle]) -> bool:
         context = self.context
         with context.engine.begin() as conn:
-            if not context.fenced_lanes(conn):
+            if not context.fence_held_for_workers(conn):
                 return False
             now = context.clock()
             settled: dict[int, LedgerStatus | None] = {}
@@ -262,7 +264,7 @@ class GroupedJob:
             return
         context = self.context
         with context.engine.begin() as conn:
-            if not context.fenced_lanes(conn):
+            if not context.fence_held_for_workers(conn):
                 return
             for i, row in unsent:
                 ledger.withdraw_intent(conn, self.candidates[i].ledger, row)

@@ -63,14 +63,14 @@ class Fence:
         breaker.observe(conn, breaker_row)
         return held
 
-    def held_for(self, conn: sa.Connection, lanes: Sequence[TargetBreaker]) -> bool:
+    def held_for(self, conn: sa.Connection, worker_breakers: Sequence[TargetBreaker]) -> bool:
         """The fence check, the breaker row read with it handed to every worker's breaker (from
         this thread, while the workers call: each takes it only if it wrote nothing since)."""
-        lanes = list(lanes)
-        marks = [lane.storage.write_mark for lane in lanes]
+        breakers = list(worker_breakers)
+        marks = [breaker.storage.write_mark for breaker in breakers]
         held, breaker_row = chains.holds_fence_for_settle(conn, self.rule_id, self.token, self.target_id)
-        for lane, mark in zip(lanes, marks, strict=True):
-            breaker_row = lane.observe(conn, breaker_row, mark)
+        for breaker, mark in zip(breakers, marks, strict=True):
+            breaker_row = breaker.observe(conn, breaker_row, mark)
         return held
 
 
@@ -114,16 +114,16 @@ class JobContext:
     workers: int
     #: A breaker for one more worker (each worker has its own; they share one state through the
     #: database), and the ones this job's workers took so far, in the order taken.
-    new_lane: Callable[[], TargetBreaker]
-    lanes: list[TargetBreaker]
+    new_worker_breaker: Callable[[], TargetBreaker]
+    worker_breakers: list[TargetBreaker]
 
     def bounds(self, stop: threading.Event) -> JobBounds:
         """The job's bounds for a worker whose stop signal is `stop`."""
         return JobBounds(self.deadline, stop)
 
-    def fenced_lanes(self, conn: sa.Connection) -> bool:
+    def fence_held_for_workers(self, conn: sa.Connection) -> bool:
         """The fence check for a write made for all the job's workers (see `Fence.held_for`)."""
-        return self.fence.held_for(conn, self.lanes)
+        return self.fence.held_for(conn, self.worker_breakers)
 
     def write_intent(self, conn: sa.Connection, candidate: Candidate, plan: Send) -> LedgerRow | None:
         """What the ledger must say before `plan` goes out (see `ledger.record_create_intent` and

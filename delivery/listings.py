@@ -14,8 +14,7 @@ import sqlalchemy as sa
 from delivery.domain import Connection, ConnectionStatus, LedgerStatus, Rule
 from delivery.errors import UnknownName
 from delivery.status import connection_overview
-from delivery.store import catalog
-from delivery.store import ledger as ledger_store
+from delivery.store import catalog, ledger
 from delivery.store.catalog import Retirement
 
 __all__ = [
@@ -51,7 +50,7 @@ def rule(conn: sa.Connection, name: str) -> Rule:
 
 def rules_with_counts(conn: sa.Connection) -> list[tuple[Rule, dict[str, int]]]:
     """Every rule with its ledger rows counted per status."""
-    return [(r, ledger_store.counts_by_status(conn, r.id)) for r in catalog.list_rules(conn)]
+    return [(r, ledger.counts_by_status(conn, r.id)) for r in catalog.list_rules(conn)]
 
 
 def ledger_rows(
@@ -61,4 +60,4 @@ def ledger_rows(
     than answered with no rows."""
     if rule_name is not None:
         catalog.get_rule(conn, rule_name)
-    return ledger_store.ledger_rows(conn, rule_name, status, limit)
+    return ledger.ledger_rows(conn, rule_name, status, limit)

@@ -30,7 +30,6 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
 import sqlalchemy as sa
 
@@ -108,10 +107,10 @@ def judge_chains(conn: sa.Connection, rule_id: int, now: datetime, threshold: ti
     their silence tells."""
     return [
         ChainLife(
-            row["token"],
-            row["flow_run_id"],
-            now - row["heartbeat_at"],
-            fresh(row["heartbeat_at"], now, threshold),
+            row.token,
+            row.flow_run_id,
+            now - row.heartbeat_at,
+            fresh(row.heartbeat_at, now, threshold),
         )
         for row in chains.open_chains(conn, rule_id)
     ]
@@ -134,7 +133,7 @@ def handover_window() -> timedelta:
 
 def newer_waiting(
     conn: sa.Connection, rule_id: int, token: str, started_at: datetime, now: datetime
-) -> dict[str, Any] | None:
+) -> chains.ChainRow | None:
     """A chain of the rule started after `token` (started at `started_at`), not ended, alive within
     the `handover_window` at `now`: one waiting for the rule lock while `token` holds it job after
     job. Its token and flow run, or None."""
@@ -201,15 +200,8 @@ def lock_holders(engine: sa.Engine, rule_id: int) -> list[Holder]:
     return [_holder(row) for row in rows]
 
 
-def _holder(row: dict[str, Any]) -> Holder:
-    return Holder(
-        row["token"],
-        row["lease_id"],
-        row["holder_host"],
-        row["holder_pid"],
-        row["heartbeat_at"],
-        row.get("flow_run_id"),
-    )
+def _holder(row: chains.ChainRow) -> Holder:
+    return Holder(row.token, row.lease_id, row.holder_host, row.holder_pid, row.heartbeat_at, row.flow_run_id)
 
 
 def record_lock(engine: sa.Engine, token: str, lease_id: str | None) -> None:

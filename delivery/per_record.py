@@ -33,7 +33,7 @@ class PerRecordJob:
         def deliver_one(index: int, breaker: TargetBreaker, signals: Signals) -> LedgerStatus | Cut | None:
             return self._one(self.candidates[index], breaker, signals)
 
-        return work_through(len(self.candidates), context.workers, context.new_lane, deliver_one)
+        return work_through(len(self.candidates), context.workers, context.new_worker_breaker, deliver_one)
 
     def _one(self, candidate: Candidate, breaker: TargetBreaker, signals: Signals) -> LedgerStatus | Cut | None:
         """One record: check, decide, (record a create's intent,) send, settle. Returns the status

@@ -2,9 +2,9 @@
 the due retries (the drain's set) and the scan's first changes, each record with what the chain
 would do with it (create, update, suppress, or skip) and why.
 
-The decisions are the engine's own: the health gate (`policy.gate`), the breaker's stored state,
+The decisions are the engine's own: the health gate (`decisions.gate`), the breaker's stored state,
 the writer's registry and verbs, the drain's page (`ledger.drain_page`), where the scan starts
-(`policy.scan_start`), and for each record `RecordStep.check` (which records a page may offer) and
+(`decisions.scan_start`), and for each record `RecordStep.check` (which records a page may offer) and
 `RecordStep.plan` (the verb, the policy, the mapped body and `identical_to_delivered`, a row in
 doubt, a create that may be a replay). A preview reads everything in one read-only transaction and
 writes nothing: no chain is recorded, no intent or breaker row written, no writer built, no token
@@ -21,13 +21,12 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from delivery import breaker, policy
+from delivery import breaker, decisions
 from delivery.clock import utcnow
 from delivery.domain import Candidate, ChainEnd, Cursor, LedgerStatus, Phase, Rule, Verb
 from delivery.errors import MissingWriter, UnexpectedCandidate, UnsupportedDeliveryVerb
 from delivery.step import RecordStep, Send
-from delivery.store import catalog, ledger
-from delivery.store import traffic as traffic_store
+from delivery.store import catalog, ledger, traffic
 from delivery.store.preview import read_only_snapshot, scan_changes
 from delivery.writers.base import Writer, verbs_of
 from delivery.writers.registry import find_writer
@@ -232,7 +231,7 @@ def _preview(conn: sa.Connection, rule_name: str, limit: int, now: datetime) -> 
     # the writer, and the verb each record needs is checked against the real writer's type below.
     step = RecordStep(rule, Writer(rule.target, rule.collection), None, lambda: now)
     verbs = verbs_of(writer_type) if writer_type is not None else None
-    scan_from = policy.scan_start(rule)
+    scan_from = decisions.scan_start(rule)
     due = ledger.drain_page(conn, rule, now, limit + 1)
     changes = scan_changes(conn, rule, scan_from, now, limit + 1)
     return Preview(
@@ -253,14 +252,14 @@ def _preview(conn: sa.Connection, rule_name: str, limit: int, now: datetime) -> 
 def _hold(conn: sa.Connection, rule: Rule, writer_type: type[Writer] | None, now: datetime) -> Hold | None:
     """The first thing that would stop the chain, in the order `Chain.open` meets them (the
     credential excepted: a preview reads no token), then a verb the policy uses that the writer lacks."""
-    closed = policy.gate(rule)
+    closed = decisions.gate(rule)
     if closed is not None:
         end, message = closed
         return Hold(end.value, message)
     until = breaker.stored_open_until(conn, rule.target, now)
     if until is not None:
         return Hold(ChainEnd.BREAKER_OPEN.value, breaker.open_message(rule.target.name, until))
-    paused = traffic_store.paused_until(conn, rule.target.id, now)
+    paused = traffic.paused_until(conn, rule.target.id, now)
     if paused is not None and paused.paused_until is not None:
         return Hold(
             ChainEnd.RATE_LIMITED.value,
@@ -320,7 +319,7 @@ def _decide(step: RecordStep, verbs: frozenset[Verb] | None, candidate: Candidat
             reason += f"; {REPLAY}" if updates else f"; {REPLAY_NOT_UPDATED}"
     else:
         assert row is not None  # an update has a row holding the remote id
-        reason = IN_DOUBT if row.in_doubt else (CHANGED if row.fingerprint else NOTHING_DELIVERED)
+        reason = IN_DOUBT if row.in_doubt else (CHANGED if row.delivered_digest else NOTHING_DELIVERED)
     if phase is Phase.DRAIN:
         reason = f"due retry, attempt {(row.attempts if row else 0) + 1} of {step.rule.max_attempts}: {reason}"
     if verbs is not None and plan.verb not in verbs:

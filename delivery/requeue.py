@@ -14,13 +14,14 @@ import sqlalchemy as sa
 
 from delivery.clock import utcnow
 from delivery.store import catalog
-from delivery.store import requeue as requeue_store
 from delivery.store.requeue import (
     DEFAULT_STATUSES,
     REQUESTED_BY_MAX,
     RequeueInputError,
     Selection,
     check_request,
+    list_requeues,
+    requeue_or_preview,
 )
 
 __all__ = [
@@ -48,9 +49,7 @@ def requeue(
     """Put the rows `selection` takes back into play (a requeue recorded as asked by `by`), or,
     with `dry_run`, only list them; inside the caller's transaction. `UnknownName` for a rule
     that does not exist."""
-    return requeue_store.requeue_or_preview(
-        conn, rule, selection, by, now or utcnow(), dry_run=dry_run, flow_run_id=flow_run_id
-    )
+    return requeue_or_preview(conn, rule, selection, by, now or utcnow(), dry_run=dry_run, flow_run_id=flow_run_id)
 
 
 def history(conn: sa.Connection, rule: str | None = None) -> list[dict[str, Any]]:
@@ -58,7 +57,7 @@ def history(conn: sa.Connection, rule: str | None = None) -> list[dict[str, Any]
     not exist)."""
     if rule is not None:
         catalog.get_rule(conn, rule)
-    return requeue_store.history(conn, rule)
+    return list_requeues(conn, rule)
 
 
 def rule_target(conn: sa.Connection, rule: str) -> str:

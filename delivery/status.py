@@ -1,5 +1,5 @@
 """The per-rule overview an operator starts from (`delivery status`): assembled here from the
-store's answers and the decisions made elsewhere (the route in `policy`, the breaker's reopening
+store's answers and the decisions made elsewhere (the route in `decisions`, the breaker's reopening
 in `breaker`), so the overview never disagrees with what a chain would do."""
 
 from __future__ import annotations
@@ -10,12 +10,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from delivery import breaker
+from delivery.decisions import closed_connection, scan_start
 from delivery.domain import ChainEnd, Connection, LedgerStatus, Rule
-from delivery.policy import closed_connection, scan_start
-from delivery.store import catalog, chains
-from delivery.store import ledger as ledger_store
-from delivery.store import status as status_store
-from delivery.store import traffic as traffic_store
+from delivery.store import catalog, chains, ledger, status, traffic
 
 
 def _route(rule: Rule) -> tuple[bool, str]:
@@ -57,27 +54,27 @@ def _last_chain(conn: sa.Connection, rule: Rule) -> dict[str, Any] | None:
     last = chains.last_chain(conn, rule.id)
     if last is None:
         return None
-    ended_by: str | None = last["ended_by"] if last["ended_at"] else None
+    ended_by: str | None = last.ended_by if last.ended_at else None
     state_name = RUN_STATE_NAMES[ChainEnd(ended_by)] if ended_by in {end.value for end in ChainEnd} else None
     return {
-        "started_at": last["started_at"].isoformat(),
-        "ended_at": last["ended_at"].isoformat() if last["ended_at"] else None,
-        "ended_by": last["ended_by"],
-        "message": last["message"],
-        "flow_run_id": last["flow_run_id"],
+        "started_at": last.started_at.isoformat(),
+        "ended_at": last.ended_at.isoformat() if last.ended_at else None,
+        "ended_by": last.ended_by,
+        "message": last.message,
+        "flow_run_id": last.flow_run_id,
         # The state its run ended in (None while it runs), and the fault of a Failed one.
         "state_name": state_name,
-        "fault": fault_of(ended_by, last["message"]),
+        "fault": fault_of(ended_by, last.message),
     }
 
 
 def overview(conn: sa.Connection, now: datetime) -> list[dict[str, Any]]:
     result = []
     rules = catalog.list_rules(conn)
-    traffic = traffic_store.traffic_of(conn, {rule.target.id for rule in rules})
+    budgets = traffic.traffic_of(conn, {rule.target.id for rule in rules})
     for rule in rules:
         route_open, route_why = _route(rule)
-        oldest = status_store.oldest_undelivered(conn, rule, scan_start(rule))
+        oldest = status.oldest_undelivered(conn, rule, scan_start(rule))
         lag = round((now - oldest).total_seconds(), 1) if oldest else 0.0
         last = _last_chain(conn, rule)
         result.append(
@@ -87,11 +84,11 @@ def overview(conn: sa.Connection, now: datetime) -> list[dict[str, Any]]:
                 "route_open": route_open,
                 "route": route_why,
                 "breaker": breaker.state_in_words(conn, rule.target, now),
-                "traffic": traffic_text(rule.target, traffic.get(rule.target.id), now),
+                "traffic": traffic_text(rule.target, budgets.get(rule.target.id), now),
                 "cursor": rule.cursor.as_json() if rule.cursor else None,
                 "cursor_lag_seconds": lag,
-                "counts": ledger_store.counts_by_status(conn, rule.id),
-                "due_retries": status_store.due_retries(conn, rule.id, now),
+                "counts": ledger.counts_by_status(conn, rule.id),
+                "due_retries": status.due_retries(conn, rule.id, now),
                 "last_chain": last,
                 # What the status table and artifact show first: how the last chain ended, since when.
                 "last_ending": last_ending(last),
@@ -102,16 +99,16 @@ def overview(conn: sa.Connection, now: datetime) -> list[dict[str, Any]]:
     return result
 
 
-def paused_until(row: traffic_store.TrafficRow | None, now: datetime) -> datetime | None:
+def paused_until(row: traffic.TrafficRow | None, now: datetime) -> datetime | None:
     """When the target's pause ends, if it is paused now."""
     return row.paused_until if row is not None and row.paused_until and row.paused_until > now else None
 
 
-def sent_today(row: traffic_store.TrafficRow | None, now: datetime) -> int:
+def sent_today(row: traffic.TrafficRow | None, now: datetime) -> int:
     return row.day_count if row is not None and row.day == now.date().isoformat() else 0
 
 
-def traffic_text(target: Connection, row: traffic_store.TrafficRow | None, now: datetime) -> str:
+def traffic_text(target: Connection, row: traffic.TrafficRow | None, now: datetime) -> str:
     """A target's traffic in words: its budget (`20/s, 100000/day (12 today)`, `no limit`), and
     a pause a Retry-After asked for while it lasts."""
     limit = target.rate_limit
@@ -131,10 +128,10 @@ def connection_overview(conn: sa.Connection, now: datetime) -> list[dict[str, An
     """Every connection with its status, and as a target its breaker and traffic
     (`delivery connection-status NAME`, `delivery connections`)."""
     connections = catalog.list_connections(conn)
-    traffic = traffic_store.traffic_of(conn, {c.id for c in connections})
+    budgets = traffic.traffic_of(conn, {c.id for c in connections})
     result = []
     for c in connections:
-        row = traffic.get(c.id)
+        row = budgets.get(c.id)
         until = paused_until(row, now)
         limit = c.rate_limit
         result.append(
@@ -225,7 +222,7 @@ def status_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "breaker": r["breaker"],
                 "traffic": r["traffic"],
                 "lag": r["cursor_lag"],
-                **{status.value.replace("_", " "): counts.get(status.value, 0) for status in LedgerStatus},
+                **{each.value.replace("_", " "): counts.get(each.value, 0) for each in LedgerStatus},
                 "due retries": r["due_retries"],
                 "message": (last or {}).get("message") or "-",
             }

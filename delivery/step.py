@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Generator
 from datetime import datetime
 from typing import Any
 
-from delivery import policy
+from delivery import decisions
 from delivery.breaker import Refused, TargetBreaker
 from delivery.domain import Candidate, ChainEnd, LedgerRow, LedgerStatus, Outcome, Phase, Rule, Verb
 from delivery.errors import (
@@ -41,7 +41,7 @@ REPLAY_NOT_UPDATABLE = (
 @dataclasses.dataclass(frozen=True)
 class Send:
     """A write to make: the verb, the mapped body and its digest. `follow_up`: a create that may
-    be answered with an older body under its key (`policy.create_may_be_a_replay`), to be followed
+    be answered with an older body under its key (`decisions.create_may_be_a_replay`), to be followed
     by an update with this body."""
 
     verb: Verb
@@ -118,16 +118,18 @@ class RecordStep:
         if record.deleted:
             # Only the drain reaches here: a failed record deleted since. There is no delete verb,
             # and sending the stale payload would be wrong, so it is considered and not written.
-            return policy.parked(row, LedgerStatus.SUPPRESSED, last_error="record deleted in the source; not delivered")
-        verb = policy.choose_verb(row)
+            return decisions.parked(
+                row, LedgerStatus.SUPPRESSED, last_error="record deleted in the source; not delivered"
+            )
+        verb = decisions.choose_verb(row)
         if verb not in rule.policy.verbs:
             excluded = f"policy {rule.policy.value} excludes {verb.value}"
-            return policy.parked(row, LedgerStatus.SUPPRESSED, last_error=excluded)
-        body = policy.map_payload(record.payload, rule.fields)
-        digest = policy.fingerprint(body)
-        if verb is Verb.UPDATE and policy.identical_to_delivered(row, digest):
-            return policy.parked(row, LedgerStatus.SUPPRESSED, last_error="identical to what was last delivered")
-        return Send(verb, body, digest, follow_up=verb is Verb.CREATE and policy.create_may_be_a_replay(row, digest))
+            return decisions.parked(row, LedgerStatus.SUPPRESSED, last_error=excluded)
+        body = decisions.map_payload(record.payload, rule.fields)
+        digest = decisions.body_digest(body)
+        if verb is Verb.UPDATE and decisions.identical_to_delivered(row, digest):
+            return decisions.parked(row, LedgerStatus.SUPPRESSED, last_error="identical to what was last delivered")
+        return Send(verb, body, digest, follow_up=verb is Verb.CREATE and decisions.create_may_be_a_replay(row, digest))
 
     def carry_out(
         self,
@@ -234,21 +236,21 @@ class RecordStep:
         #: target: an update, or a create carrying a body other than the first one sent under its
         #: key (`plan.follow_up`). That first send may never have been applied (refused, dropped,
         #: the target down), so a later send under the same key, its answer unseen, may be the one
-        #: that made the record: the row's create_fingerprint then no longer says what it holds.
+        #: that made the record: the row's create_digest then no longer says what it holds.
         updating = plan.verb is Verb.UPDATE or plan.follow_up
         try:
             if plan.verb is Verb.CREATE:
                 if not isinstance(writer, creates):
                     raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
                 generation = row.create_generation if row else 0
-                key = policy.idempotency_key(rule.name, record.external_id, generation, rule.key_epoch)
+                key = decisions.idempotency_key(rule.name, record.external_id, generation, rule.key_epoch)
                 remote_id = yield Verb.CREATE, (plan.body, key)
                 if plan.follow_up:
                     # The same key may have carried an older body before (a crash before the
                     # settle, a timeout after the target took it): a target that honours the key
                     # answers with the record it made then and keeps that body. Make it ours.
                     if not isinstance(writer, updates):
-                        return policy.delivered(row, remote_id, plan.digest, note=REPLAY_NOT_UPDATABLE)
+                        return decisions.delivered(row, remote_id, plan.digest, note=REPLAY_NOT_UPDATABLE)
                     updating = True
                     yield Verb.UPDATE, (remote_id, plan.body)
             else:
@@ -259,7 +261,7 @@ class RecordStep:
         except NOT_SENT as held:
             if plan.verb is Verb.CREATE and remote_id is not None:
                 # The create went through and the follow-up update was not sent: keep the id, and
-                # no fingerprint, so the next attempt updates.
+                # no delivered digest, so the next attempt updates.
                 why = "breaker open" if isinstance(held, Refused) else "traffic held"
                 refused = TargetUnavailable(f"{why} before the follow-up update", outcome_unknown=False)
                 return self._after(row, refused, remote_id, breaker)
@@ -271,7 +273,7 @@ class RecordStep:
         except RecordFault as fault:
             unknown = updating and isinstance(fault, TargetUnavailable) and fault.outcome_unknown
             return self._after(row, fault, remote_id, breaker, unknown=unknown)
-        return policy.delivered(row, remote_id, plan.digest)
+        return decisions.delivered(row, remote_id, plan.digest)
 
     def call(self, breaker: TargetBreaker, bounds: JobBounds, call: Callable[..., Any], *args: Any) -> Any:
         """One request: admitted by the target's traffic, made through its breaker. A pause the
@@ -332,7 +334,7 @@ class RecordStep:
             updating = plan.verb is Verb.UPDATE or plan.follow_up  # as in `_sending`
             unknown = updating and isinstance(result, TargetUnavailable) and result.outcome_unknown
             return self._after(row, result, remote_id, breaker, unknown=unknown)
-        return policy.delivered(row, str(result) if plan.verb is Verb.CREATE else remote_id, plan.digest)
+        return decisions.delivered(row, str(result) if plan.verb is Verb.CREATE else remote_id, plan.digest)
 
     def _after(
         self,
@@ -351,7 +353,7 @@ class RecordStep:
         outage_until = None
         if isinstance(fault, TargetUnavailable) and paused_until is None:
             outage_until = breaker.outage_until(now)
-        return policy.after_fault(
+        return decisions.after_fault(
             row,
             fault,
             message=storable_text(redact(str(fault), self.secret))[:1000],

@@ -10,7 +10,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from delivery import liveness, policy
+from delivery import decisions, liveness
 from delivery.domain import Rule
 from delivery.store import catalog, chains, ledger
 from delivery.writers.base import verbs_of
@@ -84,7 +84,7 @@ def has_work(conn: sa.Connection, rule: Rule, now: datetime) -> bool:
     index seeks: a few hundred idle rules cost a few hundred queries, not a few hundred processes."""
     if ledger.drain_page(conn, rule, now, 1):
         return True
-    return bool(ledger.scan_page(conn, rule, policy.scan_start(rule), 1))
+    return bool(ledger.scan_page(conn, rule, decisions.scan_start(rule), 1))
 
 
 def needs_chain(conn: sa.Connection, rule: Rule, now: datetime) -> bool:

@@ -14,10 +14,12 @@ import concurrent.futures
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
+
+from delivery.domain import ChainEnd
 
 T = TypeVar("T")
-L = TypeVar("L")
+W = TypeVar("W")
 
 #: How often the calling thread wakes while it waits for the workers: a timeout or a cancellation
 #: raised into it is delivered only between Python steps, never inside one long wait.
@@ -28,7 +30,7 @@ WAIT_STEP_SECONDS = 0.05
 class Cut:
     """A step's word that the batch takes no more records, and why."""
 
-    why: Any
+    why: ChainEnd
 
 
 @dataclass
@@ -42,34 +44,35 @@ class Signals:
 def work_through(
     size: int,
     count: int,
-    new_lane: Callable[[], L],
-    step: Callable[[int, L, Signals], T | Cut | None],
+    new_own: Callable[[], W],
+    step: Callable[[int, W, Signals], T | Cut | None],
     signals: Signals | None = None,
     *,
     pooled: bool = False,
-) -> tuple[list[T | None], list[Any]]:
-    """Run `step(index, lane, signals)` for index 0..size-1, `count` at a time, each worker with a
-    lane of its own from `new_lane` (what may not be shared between threads). Returns each index's
+) -> tuple[list[T | None], list[ChainEnd]]:
+    """Run `step(index, own, signals)` for index 0..size-1, `count` at a time, each worker with
+    what it owns from `new_own` (what may not be shared between threads: the job gives each worker
+    a breaker of its own). Returns each index's
     result (None: not reached, or the step gave none) and the reasons of the cuts. With `count` 1
     the steps run in this thread, strictly in order, unless `pooled`: then on a thread of their own
     too, so that whatever is raised in this thread interrupts the job (and sets `signals.over`)
     while a step's own exception comes from the step. `signals`: the caller's, to share with what
     else serves the job (else new ones)."""
     results: list[T | None] = [None] * size
-    cuts: list[Any] = []
+    cuts: list[ChainEnd] = []
     errors: list[BaseException] = []
     signals = signals or Signals()
     pending = iter(range(size))
     take = threading.Lock()
 
-    def worker(lane: L) -> None:
+    def worker(own: W) -> None:
         try:
             while not signals.stop.is_set():
                 with take:
                     index = next(pending, None)
                 if index is None:
                     return
-                result = step(index, lane, signals)
+                result = step(index, own, signals)
                 if isinstance(result, Cut):
                     cuts.append(result.why)
                     signals.stop.set()
@@ -81,11 +84,11 @@ def work_through(
 
     workers = max(1, min(count, size))
     if workers == 1 and not pooled:
-        worker(new_lane())
+        worker(new_own())
     else:
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="delivery-worker")
         try:
-            futures = [pool.submit(worker, new_lane()) for _ in range(workers)]
+            futures = [pool.submit(worker, new_own()) for _ in range(workers)]
             not_done = set(futures)
             while not_done:
                 _, not_done = concurrent.futures.wait(not_done, timeout=WAIT_STEP_SECONDS)

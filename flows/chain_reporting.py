@@ -30,11 +30,11 @@ from prefect.client.schemas import State
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
-from delivery.alerts import TELLING, transition
 from delivery.chain import Chain
 from delivery.db import shared_engine
 from delivery.domain import BatchReport, ChainEnd, ChainReport, Cursor, LedgerStatus, Phase
 from delivery.errors import UnknownName
+from delivery.rule_health import TELLING, transition
 from delivery.store import chains, ledger
 from flows.parked_artifact import has_parked_set, publish_parked_set
 from flows.status_artifact import publish_status
@@ -378,7 +378,7 @@ def summary(rule: str, state: State[Any]) -> dict[str, Any]:
     flow_run_id = str(state.state_details.flow_run_id)
     with shared_engine().connect().execution_options(readonly=True) as conn:
         chain = chains.chain_by_flow_run(conn, flow_run_id)
-    report: dict[str, Any] = dict((chain or {}).get("report") or {})
+    report: dict[str, Any] = dict((chain.report if chain else None) or {})
     empty = {s.value: 0 for s in LedgerStatus}
     return {
         "rule": rule,

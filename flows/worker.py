@@ -25,8 +25,9 @@ the observer Prefect would start for it costs a thread and an event subscription
 A killed worker (kill -9) leaves its runs Running; the tick judges their chains dead once their
 heartbeat is older than the dead-chain threshold, sets them Cancelling, supersedes their tokens and
 starts new chains, as for a killed process worker; the Prefect server marks them Cancelled after its
-cancelling timeout (300 s unless set), there being no worker to finish the cancellation. Stopping it with SIGTERM/SIGINT cancels the runs in flight (each ends
-Cancelled) and waits for them; a second signal exits at once.
+cancelling timeout (300 s unless set), there being no worker to finish the cancellation. Stopping
+it with SIGTERM/SIGINT cancels the runs in flight (each ends Cancelled) and waits for them; a second
+signal exits at once.
 """
 
 from __future__ import annotations

@@ -32,8 +32,7 @@ from delivery.clock import utcnow
 from delivery.config import parse_config
 from delivery.domain import LedgerStatus
 from delivery.mirror_file import read_mirror_file
-from delivery.store import catalog
-from delivery.store import ledger as ledger_store
+from delivery.store import catalog, ledger
 from delivery.store.mirror import load_records
 from playground.sandbox import SandboxServer, SandboxSettings
 
@@ -160,7 +159,7 @@ class Demo:
             def watch() -> None:
                 while not done.wait(0.2):
                     with self.engine.connect() as conn:
-                        progress.update(bar, completed=ledger_store.settled_since(conn, rule.id, since))
+                        progress.update(bar, completed=ledger.settled_since(conn, rule.id, since))
 
             watcher = threading.Thread(target=watch, daemon=True)
             watcher.start()
@@ -200,11 +199,11 @@ class Demo:
 
     def _faults(self) -> None:
         rng = random.Random(23)
-        ledger = self._ledger_by_id()
+        rows_by_id = self._ledger_by_id()
         # Somebody deleted a few contacts in the CRM on purpose: their next update finds them gone.
-        gone = rng.sample([r for r in self.sample if ledger[r["id"]]["remote_id"]], k=3)
+        gone = rng.sample([r for r in self.sample if rows_by_id[r["id"]]["remote_id"]], k=3)
         for record in gone:
-            self._api("DELETE", f"contacts/{ledger[record['id']]['remote_id']}")
+            self._api("DELETE", f"contacts/{rows_by_id[record['id']]['remote_id']}")
             record["payload"]["phone"] = "+44 20 0000 0000"
         # A few records the target refuses (too large for it): they fail, then park as exhausted.
         refused = rng.sample([r for r in self.sample if r not in gone], k=3)
@@ -254,9 +253,9 @@ class Demo:
             f"(rate_limit: {{per_second: {RATE_PER_SECOND}}})"
         )
         rng = random.Random(31)
-        ledger = self._ledger_by_id()
+        rows_by_id = self._ledger_by_id()
         # Records in play (not parked): each change is one update under the budget.
-        live = [r for r in self.sample if ledger.get(r["id"], {}).get("status") in ("delivered", "suppressed")]
+        live = [r for r in self.sample if rows_by_id.get(r["id"], {}).get("status") in ("delivered", "suppressed")]
         moved = rng.sample(live, k=min(RATE_CHANGES, len(live)))
         for record in moved:
             record["payload"]["company"] = "Budget Ltd"
@@ -281,11 +280,11 @@ class Demo:
 
     def _ledger_by_id(self) -> dict[str, dict[str, Any]]:
         with self.engine.connect() as conn:
-            return {row["external_id"]: row for row in ledger_store.ledger_rows(conn, RULE)}
+            return {row["external_id"]: row for row in ledger.ledger_rows(conn, RULE)}
 
     def _summary(self, seconds: float) -> dict[str, int]:
         with self.engine.connect() as conn:
-            counts = ledger_store.counts_by_status(conn, catalog.get_rule(conn, RULE).id)
+            counts = ledger.counts_by_status(conn, catalog.get_rule(conn, RULE).id)
         self.console.rule("[bold]summary")
         table = Table("status", "records", "meaning")
         meaning = {

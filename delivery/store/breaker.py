@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -14,15 +15,15 @@ import pybreaker
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from delivery.store.tables import breaker_states
+from delivery.store.tables import breaker_states_table
 
 #: How long a row the engine read alongside a settle stands in for a read of our own.
 SNAPSHOT_SECONDS = 1.0
 _STATES = (pybreaker.STATE_CLOSED, pybreaker.STATE_OPEN, pybreaker.STATE_HALF_OPEN)
 
 _RESET = (
-    breaker_states.update()
-    .where(breaker_states.c.connection_id == sa.bindparam("id"), breaker_states.c.fail_counter != 0)
+    breaker_states_table.update()
+    .where(breaker_states_table.c.connection_id == sa.bindparam("id"), breaker_states_table.c.fail_counter != 0)
     .values(fail_counter=0)
 )
 
@@ -85,13 +86,13 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
     def _ensure_row(self) -> None:
         with self._engine.begin() as conn:
             exists = conn.execute(
-                sa.select(breaker_states.c.connection_id).where(breaker_states.c.connection_id == self._id)
+                sa.select(breaker_states_table.c.connection_id).where(breaker_states_table.c.connection_id == self._id)
             ).first()
             if exists is None:
                 try:
                     with conn.begin_nested():
                         conn.execute(
-                            breaker_states.insert().values(
+                            breaker_states_table.insert().values(
                                 connection_id=self._id,
                                 state=pybreaker.STATE_CLOSED,
                                 fail_counter=0,
@@ -108,7 +109,7 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
             return snapshot[column]
         with self._engine.connect().execution_options(readonly=True) as conn:
             return conn.execute(
-                sa.select(breaker_states.c[column]).where(breaker_states.c.connection_id == self._id)
+                sa.select(breaker_states_table.c[column]).where(breaker_states_table.c.connection_id == self._id)
             ).scalar_one()
 
     def _set(self, **values: Any) -> None:
@@ -117,7 +118,9 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
             self._snapshot = None
             self._reset_due = False
         with self._engine.begin() as conn:
-            conn.execute(breaker_states.update().where(breaker_states.c.connection_id == self._id).values(**values))
+            conn.execute(
+                breaker_states_table.update().where(breaker_states_table.c.connection_id == self._id).values(**values)
+            )
 
     @property
     def state(self) -> str:
@@ -135,7 +138,7 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
             self._writes += 1
             self._snapshot = None
             self._reset_due = False
-        table = breaker_states
+        table = breaker_states_table
         with self._engine.begin() as conn:
             for before in (s for s in _STATES if s != state):
                 changed = conn.execute(
@@ -146,7 +149,7 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         return None
 
     def increment_counter(self) -> None:
-        self._set(fail_counter=breaker_states.c.fail_counter + 1)
+        self._set(fail_counter=breaker_states_table.c.fail_counter + 1)
 
     def reset_counter(self) -> None:
         # Called after every success. With a fresh row the reset is put off to the engine's next
@@ -162,7 +165,7 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
             conn.execute(_RESET, {"id": self._id})
 
     def increment_success_counter(self) -> None:
-        self._set(success_counter=breaker_states.c.success_counter + 1)
+        self._set(success_counter=breaker_states_table.c.success_counter + 1)
 
     def reset_success_counter(self) -> None:
         self._set(success_counter=0)
@@ -185,6 +188,19 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         self._set(opened_at=value)
 
 
-def breaker_state(conn: sa.Connection, connection_id: int) -> dict[str, Any] | None:
-    row = conn.execute(sa.select(breaker_states).where(breaker_states.c.connection_id == connection_id)).one_or_none()
-    return None if row is None else row._asdict()
+@dataclass(frozen=True)
+class BreakerStateRow:
+    """One row of the `breaker_states` table: a target's stored breaker."""
+
+    connection_id: int
+    state: str
+    fail_counter: int
+    success_counter: int
+    opened_at: datetime | None
+
+
+def breaker_state(conn: sa.Connection, connection_id: int) -> BreakerStateRow | None:
+    row = conn.execute(
+        sa.select(breaker_states_table).where(breaker_states_table.c.connection_id == connection_id)
+    ).one_or_none()
+    return None if row is None else BreakerStateRow(**row._asdict())

@@ -28,7 +28,13 @@ from delivery.domain import (
 )
 from delivery.errors import UnknownName
 from delivery.store import chains
-from delivery.store.tables import connections, ledger, mirror_records, retired_ledger_rows, rules
+from delivery.store.tables import (
+    connections_table,
+    ledger_table,
+    mirror_records_table,
+    retired_ledger_rows_table,
+    rules_table,
+)
 
 
 def connection_from_row(row: Any) -> Connection:
@@ -56,7 +62,7 @@ def connection_from_row(row: Any) -> Connection:
 
 
 def _connections_by_id(conn: sa.Connection, ids: set[int]) -> dict[int, Connection]:
-    rows = conn.execute(sa.select(connections).where(connections.c.id.in_(ids)))
+    rows = conn.execute(sa.select(connections_table).where(connections_table.c.id.in_(ids)))
     return {row.id: connection_from_row(row) for row in rows}
 
 
@@ -85,25 +91,30 @@ def _rule_from_row(row: Any, by_id: dict[int, Connection]) -> Rule:
 
 
 def get_rule(conn: sa.Connection, name: str) -> Rule:
-    row = conn.execute(sa.select(rules).where(rules.c.name == name)).one_or_none()
+    row = conn.execute(sa.select(rules_table).where(rules_table.c.name == name)).one_or_none()
     if row is None:
         raise UnknownName(f"no rule named {name!r}")
     return _rule_from_row(row, _connections_by_id(conn, {row.source_id, row.target_id}))
 
 
 def list_rules(conn: sa.Connection) -> list[Rule]:
-    rows = conn.execute(sa.select(rules).order_by(rules.c.name)).all()
+    rows = conn.execute(sa.select(rules_table).order_by(rules_table.c.name)).all()
     by_id = _connections_by_id(conn, {r.source_id for r in rows} | {r.target_id for r in rows})
     return [_rule_from_row(row, by_id) for row in rows]
 
 
 def list_connections(conn: sa.Connection) -> list[Connection]:
-    return [connection_from_row(row) for row in conn.execute(sa.select(connections).order_by(connections.c.name))]
+    return [
+        connection_from_row(row)
+        for row in conn.execute(sa.select(connections_table).order_by(connections_table.c.name))
+    ]
 
 
 def set_connection_status(conn: sa.Connection, name: str, status: ConnectionStatus) -> None:
     result = conn.execute(
-        connections.update().where(connections.c.name == name).values(status=status.value, updated_at=utcnow())
+        connections_table.update()
+        .where(connections_table.c.name == name)
+        .values(status=status.value, updated_at=utcnow())
     )
     if result.rowcount == 0:
         raise UnknownName(f"no connection named {name!r}")
@@ -166,15 +177,17 @@ def _upsert(
 
 def connection_drivers(conn: sa.Connection) -> dict[str, str | None]:
     """Every saved connection's driver by name, for the save-time checks."""
-    return {row.name: row.driver for row in conn.execute(sa.select(connections.c.name, connections.c.driver))}
+    return {
+        row.name: row.driver for row in conn.execute(sa.select(connections_table.c.name, connections_table.c.driver))
+    }
 
 
 def saved_rules(conn: sa.Connection) -> list[SavedRule]:
     """Every saved rule, as much of it as the save-time checks read."""
-    target = connections.alias("target")
+    target = connections_table.alias("target")
     rows = conn.execute(
-        sa.select(rules.c.name, target.c.name.label("target"), rules.c.policy).join(
-            target, target.c.id == rules.c.target_id
+        sa.select(rules_table.c.name, target.c.name.label("target"), rules_table.c.policy).join(
+            target, target.c.id == rules_table.c.target_id
         )
     )
     return [SavedRule(row.name, row.target, Policy(row.policy)) for row in rows]
@@ -190,32 +203,34 @@ def retire_ledger(conn: sa.Connection, rule_id: int, key_epoch: int, now: dateti
     statuses = {
         str(status): int(count)
         for status, count in conn.execute(
-            sa.select(ledger.c.status, sa.func.count()).where(ledger.c.rule_id == rule_id).group_by(ledger.c.status)
+            sa.select(ledger_table.c.status, sa.func.count())
+            .where(ledger_table.c.rule_id == rule_id)
+            .group_by(ledger_table.c.status)
         )
     }
     if not statuses:
         return {}
     moved = (
         sa.select(
-            ledger.c.rule_id,
-            ledger.c.record_id,
-            mirror_records.c.source_id,
-            mirror_records.c.domain,
-            mirror_records.c.external_id,
-            ledger.c.status,
-            ledger.c.remote_id,
-            ledger.c.attempts,
-            ledger.c.last_error,
+            ledger_table.c.rule_id,
+            ledger_table.c.record_id,
+            mirror_records_table.c.source_id,
+            mirror_records_table.c.domain,
+            mirror_records_table.c.external_id,
+            ledger_table.c.status,
+            ledger_table.c.remote_id,
+            ledger_table.c.attempts,
+            ledger_table.c.last_error,
             sa.literal(key_epoch, sa.Integer()),
-            ledger.c.create_generation,
-            sa.literal(now, retired_ledger_rows.c.retired_at.type),
+            ledger_table.c.create_generation,
+            sa.literal(now, retired_ledger_rows_table.c.retired_at.type),
             sa.literal(reason, sa.Text()),
         )
-        .join(mirror_records, mirror_records.c.id == ledger.c.record_id)
-        .where(ledger.c.rule_id == rule_id)
+        .join(mirror_records_table, mirror_records_table.c.id == ledger_table.c.record_id)
+        .where(ledger_table.c.rule_id == rule_id)
     )
     conn.execute(
-        retired_ledger_rows.insert().from_select(
+        retired_ledger_rows_table.insert().from_select(
             [
                 "rule_id",
                 "record_id",
@@ -234,7 +249,7 @@ def retire_ledger(conn: sa.Connection, rule_id: int, key_epoch: int, now: dateti
             moved,
         )
     )
-    conn.execute(ledger.delete().where(ledger.c.rule_id == rule_id))
+    conn.execute(ledger_table.delete().where(ledger_table.c.rule_id == rule_id))
     return statuses
 
 
@@ -250,23 +265,27 @@ def _move_route(
     ids = {before["source_id"], before["target_id"], values["source_id"], values["target_id"]}
     names: dict[int, str] = {
         row.id: row.name
-        for row in conn.execute(sa.select(connections.c.id, connections.c.name).where(connections.c.id.in_(ids)))
+        for row in conn.execute(
+            sa.select(connections_table.c.id, connections_table.c.name).where(connections_table.c.id.in_(ids))
+        )
     }
     old = _route_text(names, before["source_id"], before["domain"], before["target_id"])
     new = _route_text(names, values["source_id"], values["domain"], values["target_id"])
     reason = f"rule source/domain/target changed from {old} to {new}"
     now = utcnow()
     # Re-read under the lock `_upsert` took: a chain may have claimed the rule since `before`.
-    current = conn.execute(sa.select(rules.c.chain_token, rules.c.key_epoch).where(rules.c.id == rule_id)).one()
+    current = conn.execute(
+        sa.select(rules_table.c.chain_token, rules_table.c.key_epoch).where(rules_table.c.id == rule_id)
+    ).one()
     statuses = retire_ledger(conn, rule_id, current.key_epoch, now, reason)
     conn.execute(
-        rules.update()
-        .where(rules.c.id == rule_id)
+        rules_table.update()
+        .where(rules_table.c.id == rule_id)
         .values(cursor_changed_at=None, cursor_record_id=None, key_epoch=current.key_epoch + 1)
     )
     # Every chain not ended yet, not only the one holding the fence: a chain that has read the
     # old rule but not yet claimed it (its first job waiting for the lock) must not claim it now.
-    tokens = {chain["token"] for chain in chains.open_chains(conn, rule_id)}
+    tokens = {chain.token for chain in chains.open_chains(conn, rule_id)}
     if current.chain_token is not None:
         tokens.add(current.chain_token)
     for token in sorted(tokens):
@@ -304,13 +323,15 @@ def save_config(
             "batch_update_path": c.batch.update_path if c.batch else None,
             "batch_max_items": c.batch.max_items if c.batch else None,
         }
-        exists = conn.execute(sa.select(connections.c.id).where(connections.c.name == c.name)).scalar()
+        exists = conn.execute(sa.select(connections_table.c.id).where(connections_table.c.name == c.name)).scalar()
         if c.status is not None or exists is None:
             values["status"] = (c.status or ConnectionStatus.ACTIVE).value
-        ids[c.name], _ = _upsert(conn, connections, "connection", c.name, values, report)
+        ids[c.name], _ = _upsert(conn, connections_table, "connection", c.name, values, report)
     missing = {r.source for r in declared_rules} | {r.target for r in declared_rules}
     for name, conn_id in conn.execute(
-        sa.select(connections.c.name, connections.c.id).where(connections.c.name.in_(missing - ids.keys()))
+        sa.select(connections_table.c.name, connections_table.c.id).where(
+            connections_table.c.name.in_(missing - ids.keys())
+        )
     ):
         ids[name] = conn_id
 
@@ -329,7 +350,7 @@ def save_config(
             "enabled": r.enabled,
             "concurrency": r.concurrency,
         }
-        rule_id, before = _upsert(conn, rules, "rule", r.name, values, report)
+        rule_id, before = _upsert(conn, rules_table, "rule", r.name, values, report)
         if before is not None and _route_of(before) != _route_of(values):
             report.retired.append(_move_route(conn, r.name, rule_id, before, values))
     return report

@@ -4,13 +4,38 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 
 from delivery.domain import ChainReport, Cursor
-from delivery.store.tables import breaker_states, chains, rules
+from delivery.store.tables import breaker_states_table, chains_table, rules_table
+
+
+@dataclass(frozen=True)
+class ChainRow:
+    """One row of the `chains` table, as the store reads it."""
+
+    token: str
+    rule_id: int
+    flow_run_id: str | None
+    started_at: datetime
+    heartbeat_at: datetime
+    ended_at: datetime | None
+    ended_by: str | None
+    message: str | None
+    #: The chain's report as recorded at its end (`ChainReport.as_json`), None before.
+    report: dict[str, Any] | None
+    #: The holder of the rule lock while one of the chain's jobs runs (see the table).
+    lease_id: str | None
+    holder_host: str | None
+    holder_pid: int | None
+
+
+def _chain_row(row: sa.Row[Any]) -> ChainRow:
+    return ChainRow(**row._asdict())
 
 
 def start_chain(conn: sa.Connection, rule_id: int, flow_run_id: str | None, now: datetime) -> str:
@@ -18,17 +43,21 @@ def start_chain(conn: sa.Connection, rule_id: int, flow_run_id: str | None, now:
     rule under the lock (`claim`), so a chain in the middle of a job is never cut off mid-record."""
     token = uuid.uuid4().hex
     conn.execute(
-        chains.insert().values(token=token, rule_id=rule_id, flow_run_id=flow_run_id, started_at=now, heartbeat_at=now)
+        chains_table.insert().values(
+            token=token, rule_id=rule_id, flow_run_id=flow_run_id, started_at=now, heartbeat_at=now
+        )
     )
     return token
 
 
 def adopt_chain(conn: sa.Connection, token: str, rule_id: int, flow_run_id: str | None) -> datetime:
     """Take over a chain row the tick recorded when it launched this run. Returns its start."""
-    row = conn.execute(sa.select(chains).where(chains.c.token == token, chains.c.rule_id == rule_id)).one_or_none()
+    row = conn.execute(
+        sa.select(chains_table).where(chains_table.c.token == token, chains_table.c.rule_id == rule_id)
+    ).one_or_none()
     if row is None or row.ended_at is not None:
         raise LookupError(f"chain {token} of this rule does not exist or has already ended")
-    conn.execute(chains.update().where(chains.c.token == token).values(flow_run_id=flow_run_id))
+    conn.execute(chains_table.update().where(chains_table.c.token == token).values(flow_run_id=flow_run_id))
     return row.started_at  # type: ignore[no-any-return]
 
 
@@ -38,64 +67,70 @@ def claim(conn: sa.Connection, rule_id: int, token: str, started_at: datetime) -
     other is superseded.
     Called under the rule lock, with the rule row locked (PostgreSQL) or the database write-locked
     (SQLite), so no other job can be between a fence check and its write."""
-    current = conn.execute(sa.select(rules.c.chain_token).where(rules.c.id == rule_id).with_for_update()).scalar()
+    current = conn.execute(
+        sa.select(rules_table.c.chain_token).where(rules_table.c.id == rule_id).with_for_update()
+    ).scalar()
     # A chain ended already (the tick judged it dead and superseded it before its first job got
     # the lock) claims nothing: the rule may have a newer chain, or none, and either way not this one.
-    if conn.execute(sa.select(chains.c.ended_at).where(chains.c.token == token)).scalar() is not None:
+    if conn.execute(sa.select(chains_table.c.ended_at).where(chains_table.c.token == token)).scalar() is not None:
         return False
     if current == token:
         return True
     if current is not None:
         other = conn.execute(
-            sa.select(chains.c.started_at, chains.c.ended_at).where(chains.c.token == current)
+            sa.select(chains_table.c.started_at, chains_table.c.ended_at).where(chains_table.c.token == current)
         ).one_or_none()
         if other is not None and other.ended_at is None and (other.started_at, current) > (started_at, token):
             return False
-    conn.execute(rules.update().where(rules.c.id == rule_id).values(chain_token=token))
+    conn.execute(rules_table.update().where(rules_table.c.id == rule_id).values(chain_token=token))
     return True
 
 
 def newer_waiting(
     conn: sa.Connection, rule_id: int, token: str, started_at: datetime, alive_since: datetime
-) -> dict[str, Any] | None:
+) -> ChainRow | None:
     """A chain of the rule started after `token`, not ended, with a heartbeat since `alive_since`:
     one waiting for the rule lock while `token` holds it job after job. A range seek on
     (rule_id, started_at) over the few chains newer than this one."""
     row = conn.execute(
-        sa.select(chains.c.token, chains.c.flow_run_id)
+        sa.select(chains_table)
         .where(
-            chains.c.rule_id == rule_id,
-            chains.c.started_at >= started_at,
+            chains_table.c.rule_id == rule_id,
+            chains_table.c.started_at >= started_at,
             # Started in the same instant: the token breaks the tie, as in `claim`.
-            sa.or_(chains.c.started_at > started_at, chains.c.token > token),
-            chains.c.ended_at.is_(None),
-            chains.c.heartbeat_at >= alive_since,
+            sa.or_(chains_table.c.started_at > started_at, chains_table.c.token > token),
+            chains_table.c.ended_at.is_(None),
+            chains_table.c.heartbeat_at >= alive_since,
         )
-        .order_by(chains.c.started_at.desc())
+        .order_by(chains_table.c.started_at.desc())
         .limit(1)
     ).first()
-    return None if row is None else row._asdict()
+    return None if row is None else _chain_row(row)
 
 
 def holds_fence(conn: sa.Connection, rule_id: int, token: str) -> bool:
     """True while `token` is the rule's current chain. On PostgreSQL the rule row stays locked until
     the caller's transaction ends, so a supersede cannot slip between this check and the writes it
     guards; on SQLite the write transaction (BEGIN IMMEDIATE) already excludes every other writer."""
-    current = conn.execute(sa.select(rules.c.chain_token).where(rules.c.id == rule_id).with_for_update()).scalar()
+    current = conn.execute(
+        sa.select(rules_table.c.chain_token).where(rules_table.c.id == rule_id).with_for_update()
+    ).scalar()
     return current == token
 
 
 _FENCE_FOR_SETTLE = (
     sa.select(
-        rules.c.chain_token,
-        breaker_states.c.state,
-        breaker_states.c.fail_counter,
-        breaker_states.c.success_counter,
-        breaker_states.c.opened_at,
+        rules_table.c.chain_token,
+        breaker_states_table.c.state,
+        breaker_states_table.c.fail_counter,
+        breaker_states_table.c.success_counter,
+        breaker_states_table.c.opened_at,
     )
-    .select_from(rules.outerjoin(breaker_states, breaker_states.c.connection_id == sa.bindparam("target_id")))
-    .where(rules.c.id == sa.bindparam("rule_id"))
-    .with_for_update(read=True, of=rules)
+    .select_from(
+        rules_table.outerjoin(breaker_states_table, breaker_states_table.c.connection_id == sa.bindparam("target_id"))
+    )
+    .where(rules_table.c.id == sa.bindparam("rule_id"))
+    .with_for_update(read=True, of=rules_table)
 )
 
 
@@ -116,10 +151,14 @@ def supersede(conn: sa.Connection, rule_id: int, token: str, now: datetime, mess
     """End a chain judged dead and close the fence on it: a late job of it writes nothing."""
     # The rule row first, then the chain row: the order a settle takes them in (fence, then
     # heartbeat), so the two can wait for each other but never deadlock.
-    conn.execute(rules.update().where(rules.c.id == rule_id, rules.c.chain_token == token).values(chain_token=None))
     conn.execute(
-        chains.update()
-        .where(chains.c.token == token, chains.c.ended_at.is_(None))
+        rules_table.update()
+        .where(rules_table.c.id == rule_id, rules_table.c.chain_token == token)
+        .values(chain_token=None)
+    )
+    conn.execute(
+        chains_table.update()
+        .where(chains_table.c.token == token, chains_table.c.ended_at.is_(None))
         .values(ended_at=now, ended_by="superseded", message=message)
     )
     # The lock holder stays on record (lease, host, pid): a superseded chain may still be inside a
@@ -127,13 +166,15 @@ def supersede(conn: sa.Connection, rule_id: int, token: str, now: datetime, mess
     # nobody. Its own release clears the record; a waiter that frees a dead holder clears it too.
 
 
-_HEARTBEAT = chains.update().where(chains.c.token == sa.bindparam("chain_token"))
+_HEARTBEAT = chains_table.update().where(chains_table.c.token == sa.bindparam("chain_token"))
 
 
 def ended_message(conn: sa.Connection, token: str) -> str | None:
     """Why the chain `token` was ended by someone else (the tick judging it dead, `apply` moving
     its rule), or None while it has not ended."""
-    row = conn.execute(sa.select(chains.c.ended_at, chains.c.message).where(chains.c.token == token)).one_or_none()
+    row = conn.execute(
+        sa.select(chains_table.c.ended_at, chains_table.c.message).where(chains_table.c.token == token)
+    ).one_or_none()
     return None if row is None or row.ended_at is None else row.message
 
 
@@ -144,15 +185,15 @@ def heartbeat(conn: sa.Connection, token: str, now: datetime) -> None:
 def move_cursor(conn: sa.Connection, rule_id: int, to: Cursor) -> Cursor:
     """Move the cursor forward to `to`; never backwards. Returns where it stands."""
     row = conn.execute(
-        sa.select(rules.c.cursor_changed_at, rules.c.cursor_record_id).where(rules.c.id == rule_id)
+        sa.select(rules_table.c.cursor_changed_at, rules_table.c.cursor_record_id).where(rules_table.c.id == rule_id)
     ).one()
     if row.cursor_changed_at is not None:
         current = Cursor(row.cursor_changed_at, int(row.cursor_record_id))
         if current >= to:
             return current
     conn.execute(
-        rules.update()
-        .where(rules.c.id == rule_id)
+        rules_table.update()
+        .where(rules_table.c.id == rule_id)
         .values(cursor_changed_at=to.changed_at, cursor_record_id=to.record_id)
     )
     return to
@@ -160,8 +201,8 @@ def move_cursor(conn: sa.Connection, rule_id: int, to: Cursor) -> Cursor:
 
 def end_chain(conn: sa.Connection, report: ChainReport, now: datetime) -> None:
     conn.execute(
-        chains.update()
-        .where(chains.c.token == report.token)
+        chains_table.update()
+        .where(chains_table.c.token == report.token)
         .values(
             ended_at=now,
             heartbeat_at=now,
@@ -172,26 +213,29 @@ def end_chain(conn: sa.Connection, report: ChainReport, now: datetime) -> None:
     )
 
 
-def chain_by_flow_run(conn: sa.Connection, flow_run_id: str) -> dict[str, Any] | None:
-    row = conn.execute(sa.select(chains).where(chains.c.flow_run_id == flow_run_id)).one_or_none()
-    return None if row is None else row._asdict()
+def chain_by_flow_run(conn: sa.Connection, flow_run_id: str) -> ChainRow | None:
+    row = conn.execute(sa.select(chains_table).where(chains_table.c.flow_run_id == flow_run_id)).one_or_none()
+    return None if row is None else _chain_row(row)
 
 
-def last_chain(conn: sa.Connection, rule_id: int) -> dict[str, Any] | None:
+def last_chain(conn: sa.Connection, rule_id: int) -> ChainRow | None:
     row = conn.execute(
-        sa.select(chains).where(chains.c.rule_id == rule_id).order_by(chains.c.started_at.desc()).limit(1)
+        sa.select(chains_table)
+        .where(chains_table.c.rule_id == rule_id)
+        .order_by(chains_table.c.started_at.desc())
+        .limit(1)
     ).one_or_none()
-    return None if row is None else row._asdict()
+    return None if row is None else _chain_row(row)
 
 
-def open_chains(conn: sa.Connection, rule_id: int) -> list[dict[str, Any]]:
+def open_chains(conn: sa.Connection, rule_id: int) -> list[ChainRow]:
     """Chains of the rule that have not ended, newest first."""
     rows = conn.execute(
-        sa.select(chains)
-        .where(chains.c.rule_id == rule_id, chains.c.ended_at.is_(None))
-        .order_by(chains.c.started_at.desc())
+        sa.select(chains_table)
+        .where(chains_table.c.rule_id == rule_id, chains_table.c.ended_at.is_(None))
+        .order_by(chains_table.c.started_at.desc())
     )
-    return [row._asdict() for row in rows]
+    return [_chain_row(row) for row in rows]
 
 
 def record_lock(
@@ -199,32 +243,34 @@ def record_lock(
 ) -> None:
     """Who holds the rule lock (Prefect lease id, host, pid), so that a waiter can tell a dead holder."""
     conn.execute(
-        chains.update()
-        .where(chains.c.token == token)
+        chains_table.update()
+        .where(chains_table.c.token == token)
         .values(lease_id=lease_id, holder_host=host, holder_pid=pid, heartbeat_at=now)
     )
 
 
-def lock_holders(conn: sa.Connection, rule_id: int) -> list[dict[str, Any]]:
-    rows = conn.execute(sa.select(chains).where(chains.c.rule_id == rule_id, chains.c.lease_id.is_not(None)))
-    return [row._asdict() for row in rows]
+def lock_holders(conn: sa.Connection, rule_id: int) -> list[ChainRow]:
+    rows = conn.execute(
+        sa.select(chains_table).where(chains_table.c.rule_id == rule_id, chains_table.c.lease_id.is_not(None))
+    )
+    return [_chain_row(row) for row in rows]
 
 
 def attach_flow_run(conn: sa.Connection, token: str, flow_run_id: str) -> None:
-    conn.execute(chains.update().where(chains.c.token == token).values(flow_run_id=flow_run_id))
+    conn.execute(chains_table.update().where(chains_table.c.token == token).values(flow_run_id=flow_run_id))
 
 
 def previous_end(conn: sa.Connection, rule_id: int, token: str, telling: Iterable[str]) -> str | None:
     """How the rule's last chain before `token` that ended in one of the `telling` ways ended."""
     value = conn.execute(
-        sa.select(chains.c.ended_by)
+        sa.select(chains_table.c.ended_by)
         .where(
-            chains.c.rule_id == rule_id,
-            chains.c.token != token,
-            chains.c.ended_at.is_not(None),
-            chains.c.ended_by.in_(list(telling)),
+            chains_table.c.rule_id == rule_id,
+            chains_table.c.token != token,
+            chains_table.c.ended_at.is_not(None),
+            chains_table.c.ended_by.in_(list(telling)),
         )
-        .order_by(chains.c.ended_at.desc())
+        .order_by(chains_table.c.ended_at.desc())
         .limit(1)
     ).scalar()
     return None if value is None else str(value)

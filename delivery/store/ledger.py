@@ -12,10 +12,12 @@ from sqlalchemy.exc import IntegrityError
 
 from delivery.domain import Candidate, Cursor, LedgerRow, LedgerStatus, MirrorRecord, Outcome, Rule
 from delivery.errors import LedgerRowConflict
-from delivery.store.tables import ledger, mirror_records, rules
+from delivery.store.tables import ledger_table, mirror_records_table, rules_table
 
-_L = [c.label(f"l_{c.name}") for c in ledger.c]
-_M = [c.label(f"m_{c.name}") for c in mirror_records.c]
+_L = [c.label(f"l_{c.name}") for c in ledger_table.c]
+_M = [c.label(f"m_{c.name}") for c in mirror_records_table.c]
+#: The ledger columns whose `LedgerRow` field is named otherwise (the columns keep their first names).
+_COLUMN_OF = {"delivered_digest": "fingerprint", "create_digest": "create_fingerprint"}
 #: Rows the scan offers again once their record's change signal moves.
 _REOFFERED = (LedgerStatus.DELIVERED.value, LedgerStatus.SUPPRESSED.value)
 
@@ -42,10 +44,10 @@ def _candidate(row: Any) -> Candidate:
             next_attempt_at=row.l_next_attempt_at,
             last_error=row.l_last_error,
             settled_changed_at=row.l_settled_changed_at,
-            fingerprint=row.l_fingerprint,
+            delivered_digest=row.l_fingerprint,
             create_generation=row.l_create_generation,
             version=row.l_version,
-            create_fingerprint=row.l_create_fingerprint,
+            create_digest=row.l_create_fingerprint,
             in_doubt=row.l_in_doubt,
         )
     return Candidate(record, row_ledger)
@@ -54,7 +56,7 @@ def _candidate(row: Any) -> Candidate:
 def scan_page(conn: sa.Connection, rule: Rule, after: Cursor | None, limit: int) -> list[Candidate]:
     """The rule's changes after `after` in (changed_at, id) order, skipping what the ledger already
     settled at this change signal, terminal rows and failed rows (the drain owns those)."""
-    m, lg = mirror_records, ledger
+    m, lg = mirror_records_table, ledger_table
     query = (
         sa.select(*_M, *_L)
         .select_from(m.outerjoin(lg, sa.and_(lg.c.rule_id == rule.id, lg.c.record_id == m.c.id)))
@@ -76,7 +78,9 @@ def scan_page(conn: sa.Connection, rule: Rule, after: Cursor | None, limit: int)
     if after is not None:
         query = query.where(
             sa.tuple_(m.c.changed_at, m.c.id)
-            > sa.tuple_(sa.literal(after.changed_at, mirror_records.c.changed_at.type), sa.literal(after.record_id))
+            > sa.tuple_(
+                sa.literal(after.changed_at, mirror_records_table.c.changed_at.type), sa.literal(after.record_id)
+            )
         )
     return [_candidate(row) for row in conn.execute(query)]
 
@@ -84,14 +88,14 @@ def scan_page(conn: sa.Connection, rule: Rule, after: Cursor | None, limit: int)
 def drain_page(conn: sa.Connection, rule: Rule, due_by: datetime, limit: int) -> list[Candidate]:
     """Failed rows due by the chain's start, oldest due first. Every row a batch attempts lands, or
     is given a time after `due_by`, or turns terminal, so repeating this query ends."""
-    m, lg = mirror_records, ledger
+    m, lg = mirror_records_table, ledger_table
     query = (
         sa.select(*_M, *_L)
         .select_from(lg.join(m, m.c.id == lg.c.record_id))
         .where(
             lg.c.rule_id == rule.id,
             lg.c.status == LedgerStatus.FAILED.value,
-            lg.c.next_attempt_at <= sa.literal(due_by, ledger.c.next_attempt_at.type),
+            lg.c.next_attempt_at <= sa.literal(due_by, ledger_table.c.next_attempt_at.type),
         )
         .order_by(lg.c.next_attempt_at, lg.c.id)
         .limit(limit)
@@ -101,12 +105,16 @@ def drain_page(conn: sa.Connection, rule: Rule, due_by: datetime, limit: int) ->
 
 #: Built once: the settle runs once per record, and building a statement costs more Python than
 #: the database spends running it.
-_INSERT = ledger.insert()
-_INSERT_RETURNING_ID = ledger.insert().returning(ledger.c.id, sort_by_parameter_order=True)
+_INSERT = ledger_table.insert()
+_INSERT_RETURNING_ID = ledger_table.insert().returning(ledger_table.c.id, sort_by_parameter_order=True)
 #: Every write of a row names the version it read and moves it on: a settle and a requeue racing
 #: for one row cannot overwrite each other unseen, the later one finds no row to write.
-_UPDATE = ledger.update().where(ledger.c.id == sa.bindparam("row_id"), ledger.c.version == sa.bindparam("read_version"))
-_DELETE = ledger.delete().where(ledger.c.id == sa.bindparam("row_id"), ledger.c.version == sa.bindparam("read_version"))
+_UPDATE = ledger_table.update().where(
+    ledger_table.c.id == sa.bindparam("row_id"), ledger_table.c.version == sa.bindparam("read_version")
+)
+_DELETE = ledger_table.delete().where(
+    ledger_table.c.id == sa.bindparam("row_id"), ledger_table.c.version == sa.bindparam("read_version")
+)
 
 #: What an intent row says until its create's outcome is settled: after a crash an operator
 #: reads it in the ledger, and the next chain's drain sends the create again under the same key.
@@ -138,15 +146,16 @@ def record_create_intent(
     if row is None:
         row_id = _insert(conn, rule, candidate, _intent_values(digest, now))
         return _intent_row(rule, candidate, digest, now, row_id)
-    changes: dict[str, Any] = {}
-    if row.create_fingerprint is None:
-        changes["create_fingerprint"] = digest
+    changes: dict[str, Any] = {}  # by LedgerRow field
+    if row.create_digest is None:
+        changes["create_digest"] = digest
     if follow_up and not row.in_doubt:
         changes["in_doubt"] = True
     if not changes:
         return row  # the first body under this key is known already, and no doubt to declare
+    columns = {_COLUMN_OF.get(name, name): value for name, value in changes.items()}
     result = conn.execute(
-        _UPDATE, {"row_id": row.id, "read_version": row.version, "version": row.version + 1, **changes}
+        _UPDATE, {"row_id": row.id, "read_version": row.version, "version": row.version + 1, **columns}
     )
     if result.rowcount == 0:
         return None
@@ -214,10 +223,10 @@ def _intent_row(rule: Rule, candidate: Candidate, digest: str, now: datetime, ro
         next_attempt_at=now,
         last_error=CREATE_IN_FLIGHT,
         settled_changed_at=None,
-        fingerprint=None,
+        delivered_digest=None,
         create_generation=0,
         version=0,
-        create_fingerprint=digest,
+        create_digest=digest,
     )
 
 
@@ -231,10 +240,10 @@ def record_update_intents(conn: sa.Connection, rows: Sequence[LedgerRow]) -> lis
     written: set[int] = set()
     if marking:
         result = conn.execute(
-            ledger.update()
-            .where(sa.tuple_(ledger.c.id, ledger.c.version).in_([(row.id, row.version) for row in marking]))
-            .values(in_doubt=True, version=ledger.c.version + 1)
-            .returning(ledger.c.id)
+            ledger_table.update()
+            .where(sa.tuple_(ledger_table.c.id, ledger_table.c.version).in_([(row.id, row.version) for row in marking]))
+            .values(in_doubt=True, version=ledger_table.c.version + 1)
+            .returning(ledger_table.c.id)
         )
         written = {row_id for (row_id,) in result}
     return [
@@ -258,7 +267,7 @@ def withdraw_intent(conn: sa.Connection, before: LedgerRow | None, intent: Ledge
                 "row_id": intent.id,
                 "read_version": intent.version,
                 "version": intent.version + 1,
-                "create_fingerprint": before.create_fingerprint,
+                "create_fingerprint": before.create_digest,
                 "in_doubt": before.in_doubt,
             },
         )
@@ -319,7 +328,7 @@ def _settled_values(candidate: Candidate, outcome: Outcome, now: datetime) -> di
         "next_attempt_at": outcome.next_attempt_at,
         "last_error": outcome.last_error,
         "settled_changed_at": candidate.record.changed_at,
-        "fingerprint": outcome.fingerprint,
+        "fingerprint": outcome.delivered_digest,
         "create_generation": outcome.create_generation,
         "in_doubt": outcome.in_doubt,
         "updated_at": now,
@@ -345,7 +354,8 @@ def settled_since(conn: sa.Connection, rule_id: int, since: datetime) -> int:
     return int(
         conn.execute(
             sa.select(sa.func.count()).where(
-                ledger.c.rule_id == rule_id, ledger.c.updated_at >= sa.literal(since, ledger.c.updated_at.type)
+                ledger_table.c.rule_id == rule_id,
+                ledger_table.c.updated_at >= sa.literal(since, ledger_table.c.updated_at.type),
             )
         ).scalar_one()
     )
@@ -353,7 +363,9 @@ def settled_since(conn: sa.Connection, rule_id: int, since: datetime) -> int:
 
 def counts_by_status(conn: sa.Connection, rule_id: int) -> dict[str, int]:
     rows = conn.execute(
-        sa.select(ledger.c.status, sa.func.count()).where(ledger.c.rule_id == rule_id).group_by(ledger.c.status)
+        sa.select(ledger_table.c.status, sa.func.count())
+        .where(ledger_table.c.rule_id == rule_id)
+        .group_by(ledger_table.c.status)
     )
     counts = {status.value: 0 for status in LedgerStatus}
     counts.update({status: n for status, n in rows})
@@ -365,27 +377,27 @@ def ledger_rows(
 ) -> list[dict[str, Any]]:
     query = (
         sa.select(
-            rules.c.name.label("rule"),
-            mirror_records.c.external_id,
-            ledger.c.status,
-            ledger.c.remote_id,
-            ledger.c.attempts,
-            ledger.c.next_attempt_at,
-            ledger.c.last_error,
-            ledger.c.in_doubt,
-            ledger.c.updated_at,
+            rules_table.c.name.label("rule"),
+            mirror_records_table.c.external_id,
+            ledger_table.c.status,
+            ledger_table.c.remote_id,
+            ledger_table.c.attempts,
+            ledger_table.c.next_attempt_at,
+            ledger_table.c.last_error,
+            ledger_table.c.in_doubt,
+            ledger_table.c.updated_at,
         )
         .select_from(
-            ledger.join(rules, rules.c.id == ledger.c.rule_id).join(
-                mirror_records, mirror_records.c.id == ledger.c.record_id
+            ledger_table.join(rules_table, rules_table.c.id == ledger_table.c.rule_id).join(
+                mirror_records_table, mirror_records_table.c.id == ledger_table.c.record_id
             )
         )
-        .order_by(rules.c.name, ledger.c.updated_at, ledger.c.id)
+        .order_by(rules_table.c.name, ledger_table.c.updated_at, ledger_table.c.id)
     )
     if rule is not None:
-        query = query.where(rules.c.name == rule)
+        query = query.where(rules_table.c.name == rule)
     if status is not None:
-        query = query.where(ledger.c.status == status.value)
+        query = query.where(ledger_table.c.status == status.value)
     if limit is not None:
         query = query.limit(limit)
     return [row._asdict() for row in conn.execute(query)]
@@ -403,25 +415,27 @@ def left_behind_since(
     and how many there are of each status. The same rows `delivery requeue RULE --status ...
     --since SINCE` selects (updated_at >= since)."""
     where = (
-        ledger.c.rule_id == rule_id,
-        ledger.c.status.in_([s.value for s in LEFT_BEHIND]),
-        ledger.c.updated_at >= sa.literal(since, ledger.c.updated_at.type),
+        ledger_table.c.rule_id == rule_id,
+        ledger_table.c.status.in_([s.value for s in LEFT_BEHIND]),
+        ledger_table.c.updated_at >= sa.literal(since, ledger_table.c.updated_at.type),
     )
     rows = conn.execute(
         sa.select(
-            mirror_records.c.external_id,
-            ledger.c.status,
-            ledger.c.attempts,
-            ledger.c.last_error,
-            ledger.c.next_attempt_at,
-            ledger.c.updated_at,
+            mirror_records_table.c.external_id,
+            ledger_table.c.status,
+            ledger_table.c.attempts,
+            ledger_table.c.last_error,
+            ledger_table.c.next_attempt_at,
+            ledger_table.c.updated_at,
         )
-        .select_from(ledger.join(mirror_records, mirror_records.c.id == ledger.c.record_id))
+        .select_from(ledger_table.join(mirror_records_table, mirror_records_table.c.id == ledger_table.c.record_id))
         .where(*where)
-        .order_by(ledger.c.updated_at, ledger.c.id)
+        .order_by(ledger_table.c.updated_at, ledger_table.c.id)
         .limit(limit)
     )
-    counts = conn.execute(sa.select(ledger.c.status, sa.func.count()).where(*where).group_by(ledger.c.status))
+    counts = conn.execute(
+        sa.select(ledger_table.c.status, sa.func.count()).where(*where).group_by(ledger_table.c.status)
+    )
     return [row._asdict() for row in rows], {status: n for status, n in counts}
 
 
@@ -431,8 +445,8 @@ def left_behind_of(conn: sa.Connection, rule_id: int, record_ids: Sequence[int])
     if not record_ids:
         return {}
     rows = conn.execute(
-        sa.select(ledger.c.record_id, ledger.c.last_error, ledger.c.next_attempt_at).where(
-            ledger.c.rule_id == rule_id, ledger.c.record_id.in_(list(record_ids))
+        sa.select(ledger_table.c.record_id, ledger_table.c.last_error, ledger_table.c.next_attempt_at).where(
+            ledger_table.c.rule_id == rule_id, ledger_table.c.record_id.in_(list(record_ids))
         )
     )
     return {row.record_id: row for row in rows}
@@ -447,12 +461,16 @@ def _latest_in_parked_set(rule_id: int, columns: Sequence[Any], limit: int, *, w
     """The rule's `limit` rows of the parked set changed last, most recent first: one backward seek
     of `ix_ledger_rule_id_status_updated_at_id` per status (each reading at most `limit` rows),
     merged. A single query over the three statuses would sort every parked row of the rule."""
-    source = ledger.join(mirror_records, mirror_records.c.id == ledger.c.record_id) if with_record else ledger
+    source = (
+        ledger_table.join(mirror_records_table, mirror_records_table.c.id == ledger_table.c.record_id)
+        if with_record
+        else ledger_table
+    )
     parts = [
-        sa.select(*columns, ledger.c.updated_at.label("changed_at"), ledger.c.id.label("row_id"))
+        sa.select(*columns, ledger_table.c.updated_at.label("changed_at"), ledger_table.c.id.label("row_id"))
         .select_from(source)
-        .where(ledger.c.rule_id == rule_id, ledger.c.status == status.value)
-        .order_by(ledger.c.updated_at.desc(), ledger.c.id.desc())
+        .where(ledger_table.c.rule_id == rule_id, ledger_table.c.status == status.value)
+        .order_by(ledger_table.c.updated_at.desc(), ledger_table.c.id.desc())
         .limit(limit)
         .subquery()
         for status in PARKED_SET
@@ -465,9 +483,9 @@ def parked_counts(conn: sa.Connection, rule_id: int) -> dict[str, int]:
     """How many rows of the rule's parked set there are in each status (every status of
     `PARKED_SET` present, 0 when none), counted on the index alone."""
     rows = conn.execute(
-        sa.select(ledger.c.status, sa.func.count())
-        .where(ledger.c.rule_id == rule_id, ledger.c.status.in_([s.value for s in PARKED_SET]))
-        .group_by(ledger.c.status)
+        sa.select(ledger_table.c.status, sa.func.count())
+        .where(ledger_table.c.rule_id == rule_id, ledger_table.c.status.in_([s.value for s in PARKED_SET]))
+        .group_by(ledger_table.c.status)
     )
     counts = {status.value: 0 for status in PARKED_SET}
     counts.update({status: n for status, n in rows})
@@ -481,11 +499,11 @@ def parked_latest(conn: sa.Connection, rule_id: int, limit: int) -> list[dict[st
     query = _latest_in_parked_set(
         rule_id,
         [
-            mirror_records.c.external_id,
-            ledger.c.status,
-            ledger.c.attempts,
-            ledger.c.last_error,
-            ledger.c.next_attempt_at,
+            mirror_records_table.c.external_id,
+            ledger_table.c.status,
+            ledger_table.c.attempts,
+            ledger_table.c.last_error,
+            ledger_table.c.next_attempt_at,
         ],
         limit,
         with_record=True,
@@ -506,5 +524,5 @@ def parked_latest(conn: sa.Connection, rule_id: int, limit: int) -> list[dict[st
 def parked_errors(conn: sa.Connection, rule_id: int, limit: int) -> list[tuple[str, str | None]]:
     """(status, last error) of the rule's `limit` parked and failed rows changed last: what their
     reasons are counted from, read with the same seeks as `parked_latest`."""
-    query = _latest_in_parked_set(rule_id, [ledger.c.status, ledger.c.last_error], limit, with_record=False)
+    query = _latest_in_parked_set(rule_id, [ledger_table.c.status, ledger_table.c.last_error], limit, with_record=False)
     return [(row.status, row.last_error) for row in conn.execute(query)]

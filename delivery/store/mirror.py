@@ -16,7 +16,7 @@ from delivery.digest import canonical_digest
 from delivery.domain import MirrorInput
 from delivery.errors import InputError, MirrorLoadError, UnknownName
 from delivery.storable import mirror_input_problem, text_problem
-from delivery.store.tables import connections, mirror_records
+from delivery.store.tables import connections_table, mirror_records_table
 
 #: Rows per round trip: large enough to amortise the statement, small enough for SQLite's
 #: bound-parameter limit in the IN (...) look-up.
@@ -74,7 +74,7 @@ class _Counted(enum.Enum):
     UNCHANGED = "unchanged"
 
 
-def content_hash(payload: dict[str, Any], deleted: bool) -> str:
+def record_digest(payload: dict[str, Any], deleted: bool) -> str:
     """The change signal's digest: stored on every mirror row, so its recipe must never change."""
     return canonical_digest([payload, deleted])
 
@@ -86,7 +86,7 @@ def _chunks(items: Iterable[MirrorInput], size: int) -> Iterator[list[MirrorInpu
 
 
 def source_id(conn: sa.Connection, source: str) -> int:
-    found = conn.execute(sa.select(connections.c.id).where(connections.c.name == source)).scalar()
+    found = conn.execute(sa.select(connections_table.c.id).where(connections_table.c.name == source)).scalar()
     if found is None:
         raise UnknownName(f"source connection {source!r} does not exist (apply a config that declares it)")
     return int(found)
@@ -124,10 +124,12 @@ def load_records(conn: sa.Connection, source: str, domain: str, records: Iterabl
         existing = {
             row.external_id: row
             for row in conn.execute(
-                sa.select(mirror_records.c.id, mirror_records.c.external_id, mirror_records.c.content_hash).where(
-                    mirror_records.c.source_id == src,
-                    mirror_records.c.domain == domain,
-                    mirror_records.c.external_id.in_(latest),
+                sa.select(
+                    mirror_records_table.c.id, mirror_records_table.c.external_id, mirror_records_table.c.content_hash
+                ).where(
+                    mirror_records_table.c.source_id == src,
+                    mirror_records_table.c.domain == domain,
+                    mirror_records_table.c.external_id.in_(latest),
                 )
             )
         }
@@ -135,7 +137,7 @@ def load_records(conn: sa.Connection, source: str, domain: str, records: Iterabl
         inserts: list[dict[str, Any]] = []
         updates: list[dict[str, Any]] = []
         for item in latest.values():
-            digest = content_hash(item.payload, item.deleted)
+            digest = record_digest(item.payload, item.deleted)
             row = existing.get(item.external_id)
             before = counted.get(item.external_id)
             if row is None:
@@ -173,17 +175,17 @@ def load_records(conn: sa.Connection, source: str, domain: str, records: Iterabl
                 report.unchanged += 1
                 counted[item.external_id] = _Counted.UNCHANGED
         if inserts:
-            conn.execute(mirror_records.insert(), inserts)
+            conn.execute(mirror_records_table.insert(), inserts)
             report.inserted += len(inserts)
         if updates:
             conn.execute(
-                mirror_records.update()
-                .where(mirror_records.c.id == sa.bindparam("b_id"))
+                mirror_records_table.update()
+                .where(mirror_records_table.c.id == sa.bindparam("b_id"))
                 .values(
-                    payload=sa.bindparam("b_payload", type_=mirror_records.c.payload.type),
+                    payload=sa.bindparam("b_payload", type_=mirror_records_table.c.payload.type),
                     content_hash=sa.bindparam("b_hash"),
                     deleted=sa.bindparam("b_deleted"),
-                    changed_at=sa.bindparam("b_changed_at", type_=mirror_records.c.changed_at.type),
+                    changed_at=sa.bindparam("b_changed_at", type_=mirror_records_table.c.changed_at.type),
                 ),
                 updates,
             )

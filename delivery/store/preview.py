@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from delivery.domain import Candidate, Cursor, LedgerStatus, Rule
 from delivery.store.ledger import _L, _M, _candidate
-from delivery.store.tables import ledger, mirror_records
+from delivery.store.tables import ledger_table, mirror_records_table
 
 
 @contextmanager
@@ -49,7 +49,7 @@ def scan_changes(
     row is terminal and failed rows not due by `due_by`, each only while its ledger row has not
     settled this change signal (as `scan_page` asks of the rows it offers). Failed rows due by
     `due_by` are the drain's (`ledger.drain_page`) and are not here."""
-    m, lg = mirror_records, ledger
+    m, lg = mirror_records_table, ledger_table
     query = (
         sa.select(*_M, *_L)
         .select_from(m.outerjoin(lg, sa.and_(lg.c.rule_id == rule.id, lg.c.record_id == m.c.id)))
@@ -63,7 +63,7 @@ def scan_changes(
                     sa.or_(
                         lg.c.status != LedgerStatus.FAILED.value,
                         lg.c.next_attempt_at.is_(None),
-                        lg.c.next_attempt_at > sa.literal(due_by, ledger.c.next_attempt_at.type),
+                        lg.c.next_attempt_at > sa.literal(due_by, ledger_table.c.next_attempt_at.type),
                     ),
                 ),
             ),
@@ -74,6 +74,8 @@ def scan_changes(
     if after is not None:
         query = query.where(
             sa.tuple_(m.c.changed_at, m.c.id)
-            > sa.tuple_(sa.literal(after.changed_at, mirror_records.c.changed_at.type), sa.literal(after.record_id))
+            > sa.tuple_(
+                sa.literal(after.changed_at, mirror_records_table.c.changed_at.type), sa.literal(after.record_id)
+            )
         )
     return [_candidate(row) for row in conn.execute(query)]

@@ -14,7 +14,7 @@ from delivery.domain import LedgerStatus, Rule
 from delivery.errors import InputError
 from delivery.storable import text_problem
 from delivery.store import catalog
-from delivery.store.tables import ledger, mirror_records, requeues, rules
+from delivery.store.tables import ledger_table, mirror_records_table, requeues_table, rules_table
 
 #: Statuses requeued when none is named: the parked (terminal) ones.
 DEFAULT_STATUSES = (LedgerStatus.EXHAUSTED, LedgerStatus.REMOTE_GONE)
@@ -104,27 +104,27 @@ class Selection:
 def _selected(rule: Rule, selection: Selection) -> sa.Select[Any]:
     query = (
         sa.select(
-            ledger.c.id,
-            mirror_records.c.external_id,
-            ledger.c.status,
-            ledger.c.remote_id,
-            ledger.c.attempts,
-            ledger.c.last_error,
-            ledger.c.updated_at,
-            ledger.c.version,
+            ledger_table.c.id,
+            mirror_records_table.c.external_id,
+            ledger_table.c.status,
+            ledger_table.c.remote_id,
+            ledger_table.c.attempts,
+            ledger_table.c.last_error,
+            ledger_table.c.updated_at,
+            ledger_table.c.version,
         )
-        .join(mirror_records, mirror_records.c.id == ledger.c.record_id)
-        .where(ledger.c.rule_id == rule.id, ledger.c.status.in_([s.value for s in selection.statuses]))
-        .order_by(ledger.c.updated_at, ledger.c.id)
+        .join(mirror_records_table, mirror_records_table.c.id == ledger_table.c.record_id)
+        .where(ledger_table.c.rule_id == rule.id, ledger_table.c.status.in_([s.value for s in selection.statuses]))
+        .order_by(ledger_table.c.updated_at, ledger_table.c.id)
     )
     if selection.external_ids:
-        query = query.where(mirror_records.c.external_id.in_(selection.external_ids))
+        query = query.where(mirror_records_table.c.external_id.in_(selection.external_ids))
     if selection.error_contains:
         # LIKE's wildcards in operator input are meant literally.
         escaped = selection.error_contains.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        query = query.where(ledger.c.last_error.like(f"%{escaped}%", escape="\\"))
+        query = query.where(ledger_table.c.last_error.like(f"%{escaped}%", escape="\\"))
     if selection.since is not None:
-        query = query.where(ledger.c.updated_at >= sa.literal(selection.since, ledger.c.updated_at.type))
+        query = query.where(ledger_table.c.updated_at >= sa.literal(selection.since, ledger_table.c.updated_at.type))
     return query
 
 
@@ -165,17 +165,19 @@ def requeue(
                 remote_id=None,
                 fingerprint=None,
                 create_fingerprint=None,
-                create_generation=ledger.c.create_generation + 1,
+                create_generation=ledger_table.c.create_generation + 1,
                 in_doubt=False,  # nothing is known of a record the target no longer has
             )
         result = conn.execute(
-            ledger.update().where(ledger.c.id == row["id"], ledger.c.version == row["version"]).values(**values)
+            ledger_table.update()
+            .where(ledger_table.c.id == row["id"], ledger_table.c.version == row["version"])
+            .values(**values)
         )
         if result.rowcount == 1:
             changed.append({k: v for k, v in row.items() if k != "version"})
     if changed:
         conn.execute(
-            requeues.insert().values(
+            requeues_table.insert().values(
                 rule_id=rule.id,
                 requested_by=by,
                 requested_at=now,
@@ -206,20 +208,20 @@ def requeue_or_preview(
     return requeue(conn, rule, selection, by, now, flow_run_id=flow_run_id)
 
 
-def history(conn: sa.Connection, rule: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+def list_requeues(conn: sa.Connection, rule: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
     query = (
         sa.select(
-            rules.c.name.label("rule"),
-            requeues.c.requested_by,
-            requeues.c.requested_at,
-            requeues.c.count,
-            requeues.c.criteria,
-            requeues.c.flow_run_id,
+            rules_table.c.name.label("rule"),
+            requeues_table.c.requested_by,
+            requeues_table.c.requested_at,
+            requeues_table.c.count,
+            requeues_table.c.criteria,
+            requeues_table.c.flow_run_id,
         )
-        .join(rules, rules.c.id == requeues.c.rule_id)
-        .order_by(requeues.c.requested_at.desc())
+        .join(rules_table, rules_table.c.id == requeues_table.c.rule_id)
+        .order_by(requeues_table.c.requested_at.desc())
         .limit(limit)
     )
     if rule is not None:
-        query = query.where(rules.c.name == rule)
+        query = query.where(rules_table.c.name == rule)
     return [row._asdict() for row in conn.execute(query)]

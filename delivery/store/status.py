@@ -9,7 +9,7 @@ import sqlalchemy as sa
 
 from delivery.domain import Cursor, LedgerStatus, Rule
 from delivery.store.ledger import scan_page
-from delivery.store.tables import ledger
+from delivery.store.tables import ledger_table
 
 
 def oldest_undelivered(conn: sa.Connection, rule: Rule, scan_from: Cursor | None) -> datetime | None:
@@ -22,8 +22,8 @@ def oldest_undelivered(conn: sa.Connection, rule: Rule, scan_from: Cursor | None
     if first:
         candidates.append(first[0].record.changed_at)
     failed = conn.execute(
-        sa.select(sa.func.min(ledger.c.settled_changed_at)).where(
-            ledger.c.rule_id == rule.id, ledger.c.status == LedgerStatus.FAILED.value
+        sa.select(sa.func.min(ledger_table.c.settled_changed_at)).where(
+            ledger_table.c.rule_id == rule.id, ledger_table.c.status == LedgerStatus.FAILED.value
         )
     ).scalar()
     if failed is not None:
@@ -36,9 +36,9 @@ def due_retries(conn: sa.Connection, rule_id: int, now: datetime) -> int:
     return int(
         conn.execute(
             sa.select(sa.func.count()).where(
-                ledger.c.rule_id == rule_id,
-                ledger.c.status == LedgerStatus.FAILED.value,
-                ledger.c.next_attempt_at <= sa.literal(now, ledger.c.next_attempt_at.type),
+                ledger_table.c.rule_id == rule_id,
+                ledger_table.c.status == LedgerStatus.FAILED.value,
+                ledger_table.c.next_attempt_at <= sa.literal(now, ledger_table.c.next_attempt_at.type),
             )
         ).scalar_one()
     )

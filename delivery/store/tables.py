@@ -43,7 +43,7 @@ class UTCDateTime(sa.TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC)  # type: ignore[no-any-return]
 
 
-connections = sa.Table(
+connections_table = sa.Table(
     "connections",
     metadata,
     sa.Column("id", sa.Integer, primary_key=True),
@@ -74,7 +74,7 @@ connections = sa.Table(
     sa.Column("batch_max_items", sa.Integer),
 )
 
-mirror_records = sa.Table(
+mirror_records_table = sa.Table(
     "mirror_records",
     metadata,
     sa.Column("id", BigId, primary_key=True, autoincrement=True),
@@ -92,7 +92,7 @@ mirror_records = sa.Table(
     sa.Index(None, "source_id", "domain", "changed_at", "id"),
 )
 
-rules = sa.Table(
+rules_table = sa.Table(
     "rules",
     metadata,
     sa.Column("id", sa.Integer, primary_key=True),
@@ -121,7 +121,7 @@ rules = sa.Table(
     sa.Column("updated_at", UTCDateTime, nullable=False),
 )
 
-ledger = sa.Table(
+ledger_table = sa.Table(
     "ledger",
     metadata,
     sa.Column("id", BigId, primary_key=True, autoincrement=True),
@@ -156,7 +156,7 @@ ledger = sa.Table(
     sa.Index(None, "rule_id", "status", "updated_at", "id"),
 )
 
-chains = sa.Table(
+chains_table = sa.Table(
     "chains",
     metadata,
     sa.Column("token", sa.String(64), primary_key=True),
@@ -176,7 +176,7 @@ chains = sa.Table(
     sa.Index(None, "rule_id", "started_at"),
 )
 
-retired_ledger_rows = sa.Table(
+retired_ledger_rows_table = sa.Table(
     # Ledger rows of a rule whose source or domain changed: kept as history, out of the drain's
     # and the scan's way (they address records of a source the rule no longer delivers from).
     "retired_ledger_rows",
@@ -198,7 +198,7 @@ retired_ledger_rows = sa.Table(
     sa.Index(None, "rule_id", "retired_at"),
 )
 
-requeues = sa.Table(
+requeues_table = sa.Table(
     "requeues",
     metadata,
     sa.Column("id", sa.Integer, primary_key=True),
@@ -216,7 +216,7 @@ requeues = sa.Table(
 #: A target's traffic, shared by every rule and worker sending to it: the next moment its rate budget
 #: lets a request out (requests are spaced evenly), the UTC day and its count for a daily budget,
 #: and a pause a Retry-After asked for. One row per target connection, made when first needed.
-target_traffic = sa.Table(
+target_traffic_table = sa.Table(
     "target_traffic",
     metadata,
     sa.Column("connection_id", sa.Integer, sa.ForeignKey("connections.id"), primary_key=True),
@@ -228,7 +228,7 @@ target_traffic = sa.Table(
     sa.Column("pause_reason", sa.String(1000)),
 )
 
-breaker_states = sa.Table(
+breaker_states_table = sa.Table(
     "breaker_states",
     metadata,
     sa.Column("connection_id", sa.Integer, sa.ForeignKey("connections.id"), primary_key=True),

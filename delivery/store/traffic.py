@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
 from delivery.domain import RateLimit
-from delivery.store.tables import target_traffic
+from delivery.store.tables import target_traffic_table
 
 #: Slots are spaced this much wider than `1 / per_second`: a request's own delays between taking
 #: its slot and reaching the target (a thread woken late, a busy network) must not bunch two
@@ -56,18 +56,18 @@ class TrafficRow:
 def ensure_row(engine: sa.Engine, connection_id: int) -> None:
     with engine.begin() as conn:
         found = conn.execute(
-            sa.select(target_traffic.c.connection_id).where(target_traffic.c.connection_id == connection_id)
+            sa.select(target_traffic_table.c.connection_id).where(target_traffic_table.c.connection_id == connection_id)
         ).first()
         if found is None:
             try:
                 with conn.begin_nested():
-                    conn.execute(target_traffic.insert().values(connection_id=connection_id, day_count=0))
+                    conn.execute(target_traffic_table.insert().values(connection_id=connection_id, day_count=0))
             except IntegrityError:
                 pass  # another process made it first: one row serves both
 
 
 def _locked(conn: sa.Connection, connection_id: int) -> TrafficRow:
-    query = sa.select(target_traffic).where(target_traffic.c.connection_id == connection_id)
+    query = sa.select(target_traffic_table).where(target_traffic_table.c.connection_id == connection_id)
     if conn.dialect.name == "postgresql":
         query = query.with_for_update()
     return TrafficRow(**conn.execute(query).one()._asdict())
@@ -97,7 +97,9 @@ def take_slot(
         if at > latest:
             return Held(at, f"the budget of {limit.per_second:g} requests a second is taken until then")
         values["next_send_at"] = at + timedelta(seconds=SPACING_MARGIN / limit.per_second)
-    conn.execute(target_traffic.update().where(target_traffic.c.connection_id == connection_id).values(**values))
+    conn.execute(
+        target_traffic_table.update().where(target_traffic_table.c.connection_id == connection_id).values(**values)
+    )
     return Slot(at)
 
 
@@ -112,7 +114,9 @@ def pause(conn: sa.Connection, connection_id: int, until: datetime, reason: str,
         values = {"paused_until": until, "pause_reason": reason}
     else:
         return False
-    conn.execute(target_traffic.update().where(target_traffic.c.connection_id == connection_id).values(**values))
+    conn.execute(
+        target_traffic_table.update().where(target_traffic_table.c.connection_id == connection_id).values(**values)
+    )
     return running
 
 
@@ -120,19 +124,19 @@ def end_pause(conn: sa.Connection, connection_id: int, now: datetime) -> Traffic
     """Clear a pause that is over. Returns the row as it was when this call cleared it (whoever
     clears it says the target resumed), None when there was none to clear."""
     row = conn.execute(
-        sa.select(target_traffic).where(
-            target_traffic.c.connection_id == connection_id,
-            target_traffic.c.paused_until.is_not(None),
-            target_traffic.c.paused_until <= now,
+        sa.select(target_traffic_table).where(
+            target_traffic_table.c.connection_id == connection_id,
+            target_traffic_table.c.paused_until.is_not(None),
+            target_traffic_table.c.paused_until <= now,
         )
     ).first()
     if row is None:
         return None
     cleared = conn.execute(
-        target_traffic.update()
+        target_traffic_table.update()
         .where(
-            target_traffic.c.connection_id == connection_id,
-            target_traffic.c.paused_until == row.paused_until,
+            target_traffic_table.c.connection_id == connection_id,
+            target_traffic_table.c.paused_until == row.paused_until,
         )
         .values(paused_until=None, paused_at=None, pause_reason=None)
     )
@@ -142,8 +146,8 @@ def end_pause(conn: sa.Connection, connection_id: int, now: datetime) -> Traffic
 def paused_until(conn: sa.Connection, connection_id: int, now: datetime) -> TrafficRow | None:
     """The target's row while it is paused now, else None."""
     row = conn.execute(
-        sa.select(target_traffic).where(
-            target_traffic.c.connection_id == connection_id, target_traffic.c.paused_until > now
+        sa.select(target_traffic_table).where(
+            target_traffic_table.c.connection_id == connection_id, target_traffic_table.c.paused_until > now
         )
     ).first()
     return None if row is None else TrafficRow(**row._asdict())
@@ -154,5 +158,5 @@ def traffic_of(conn: sa.Connection, connection_ids: Iterable[int]) -> dict[int, 
     ids = list(connection_ids)
     if not ids:
         return {}
-    rows = conn.execute(sa.select(target_traffic).where(target_traffic.c.connection_id.in_(ids)))
+    rows = conn.execute(sa.select(target_traffic_table).where(target_traffic_table.c.connection_id.in_(ids)))
     return {row.connection_id: TrafficRow(**row._asdict()) for row in rows}

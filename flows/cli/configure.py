@@ -9,9 +9,9 @@ import typer
 
 from delivery import listings
 from delivery.db import upgrade
+from delivery.decisions import closed_connection
 from delivery.domain import ConnectionStatus, LedgerStatus
 from delivery.errors import InputError
-from delivery.policy import closed_connection
 from flows.cli.apps import app, db_app, mirror_app
 from flows.cli.output import (
     JsonFlag,

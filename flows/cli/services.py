@@ -121,7 +121,7 @@ def alerts_install(
     import asyncio
     import dataclasses
 
-    from flows.alerts import AUTOMATIONS_DIR, install, tick_missing_window
+    from flows.automations import AUTOMATIONS_DIR, install, tick_missing_window
 
     within = None if tick_missing_minutes is None else tick_missing_window(tick_missing_minutes)
     installed = asyncio.run(install(block, enable, directory or AUTOMATIONS_DIR, within))

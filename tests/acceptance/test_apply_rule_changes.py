@@ -14,7 +14,13 @@ import sqlalchemy as sa
 from delivery.clock import utcnow
 from delivery.domain import MirrorInput
 from delivery.store.mirror import load_records
-from delivery.store.tables import connections, ledger, mirror_records, retired_ledger_rows, rules
+from delivery.store.tables import (
+    connections_table,
+    ledger_table,
+    mirror_records_table,
+    retired_ledger_rows_table,
+    rules_table,
+)
 from tests.support.cli import (
     RULE,
     as_json,
@@ -45,16 +51,18 @@ def give_ledger_rows(engine: sa.Engine, source: str, statuses: dict[str, str]) -
     with engine.begin() as conn:
         load_records(conn, source, "contact", [MirrorInput(i, {"email": f"{i}@example.com"}) for i in statuses])
     with engine.begin() as conn:
-        rule_id = conn.execute(sa.select(rules.c.id).where(rules.c.name == RULE)).scalar_one()
-        source_id = conn.execute(sa.select(connections.c.id).where(connections.c.name == source)).scalar_one()
+        rule_id = conn.execute(sa.select(rules_table.c.id).where(rules_table.c.name == RULE)).scalar_one()
+        source_id = conn.execute(
+            sa.select(connections_table.c.id).where(connections_table.c.name == source)
+        ).scalar_one()
         for external_id, status in statuses.items():
             record_id = conn.execute(
-                sa.select(mirror_records.c.id).where(
-                    mirror_records.c.source_id == source_id, mirror_records.c.external_id == external_id
+                sa.select(mirror_records_table.c.id).where(
+                    mirror_records_table.c.source_id == source_id, mirror_records_table.c.external_id == external_id
                 )
             ).scalar_one()
             conn.execute(
-                ledger.insert().values(
+                ledger_table.insert().values(
                     rule_id=rule_id,
                     record_id=record_id,
                     status=status,
@@ -77,7 +85,7 @@ def test_apply_reports_the_retired_rows_of_a_moved_rule(db_url: str, engine: sa.
         f"retired: rule {RULE}: 3 ledger rows (1 delivered, 2 failed); rule source/domain/target changed "
         "from shop/contact -> crm to shop2/contact -> crm"
     ) in text.stdout
-    assert len(table_rows(engine, retired_ledger_rows)) == 3 and table_rows(engine, ledger) == []
+    assert len(table_rows(engine, retired_ledger_rows_table)) == 3 and table_rows(engine, ledger_table) == []
     assert "retired" not in ok(delivery("apply", moved, cwd=workdir)).stdout
 
     give_ledger_rows(engine, "shop2", {"d": "exhausted"})
@@ -101,11 +109,11 @@ def test_apply_reports_the_retired_rows_of_a_moved_rule(db_url: str, engine: sa.
 
 def test_apply_refuses_a_driver_change_under_a_saved_rule(db_url: str, engine: sa.Engine, workdir: Path) -> None:
     set_up(engine, config())
-    before = table_rows(engine, connections), table_rows(engine, rules)
+    before = table_rows(engine, connections_table), table_rows(engine, rules_table)
     only_crm = {"connections": [{**config()["connections"][0], "driver": "rest-create-only"}]}
     refused(
         delivery("apply", write_yaml(workdir, "create-only.yaml", only_crm), cwd=workdir),
         f"error: connections[0].driver: rule {RULE!r} (saved) targets 'crm', whose driver 'rest-create-only' "
         "does not offer the 'update' verb its policy 'create_and_update' needs",
     )
-    assert (table_rows(engine, connections), table_rows(engine, rules)) == before
+    assert (table_rows(engine, connections_table), table_rows(engine, rules_table)) == before

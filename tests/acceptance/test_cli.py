@@ -22,7 +22,7 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
-from delivery.store.tables import connections, ledger, mirror_records, rules
+from delivery.store.tables import connections_table, ledger_table, mirror_records_table, rules_table
 from tests.support.cli import (
     LEDGER_KEYS,
     RULE,
@@ -73,24 +73,24 @@ def test_apply_creates_and_reapplying_the_same_file_is_a_no_op(db_url: str, engi
     name = write_yaml(workdir, "delivery.yaml", config())
     first = ok(delivery("apply", name, cwd=workdir))
     assert "created: connection crm, connection shop, rule contacts-to-crm" in first.stdout
-    before_connections = table_rows(engine, connections)
-    before_rules = table_rows(engine, rules)
+    before_connections = table_rows(engine, connections_table)
+    before_rules = table_rows(engine, rules_table)
     assert [c["name"] for c in before_connections] == ["crm", "shop"]
     assert [r["name"] for r in before_rules] == [RULE]
 
     again = ok(delivery("apply", name, cwd=workdir))
     assert "unchanged: connection crm, connection shop, rule contacts-to-crm" in again.stdout
     assert "created" not in again.stdout and "updated" not in again.stdout
-    assert table_rows(engine, connections) == before_connections  # updated_at included
-    assert table_rows(engine, rules) == before_rules
+    assert table_rows(engine, connections_table) == before_connections  # updated_at included
+    assert table_rows(engine, rules_table) == before_rules
 
     # A real change updates exactly what changed.
     changed = ok(delivery("apply", write_yaml(workdir, "changed.yaml", config(rule={"batch_size": 50})), cwd=workdir))
     assert "updated: rule contacts-to-crm" in changed.stdout
     assert "unchanged: connection crm, connection shop" in changed.stdout
-    after_rule = table_rows(engine, rules)
+    after_rule = table_rows(engine, rules_table)
     assert after_rule[0]["batch_size"] == 50 and after_rule[0]["updated_at"] > before_rules[0]["updated_at"]
-    assert table_rows(engine, connections) == before_connections
+    assert table_rows(engine, connections_table) == before_connections
 
     # A refused file changes nothing of what is there, not even the parts that were fine.
     bad = config(
@@ -99,8 +99,8 @@ def test_apply_creates_and_reapplying_the_same_file_is_a_no_op(db_url: str, engi
         more_rules=[{"name": "second", "source": "shop", "domain": "order", "target": "erp", "collection": "x"}],
     )
     refused(delivery("apply", write_yaml(workdir, "bad.yaml", bad), cwd=workdir), "rules[1].target", "'erp'")
-    assert table_rows(engine, connections) == before_connections
-    assert table_rows(engine, rules) == after_rule
+    assert table_rows(engine, connections_table) == before_connections
+    assert table_rows(engine, rules_table) == after_rule
 
 
 def _cfg(**kwargs: Any) -> str:
@@ -189,24 +189,24 @@ def test_mirror_load_refuses_a_bad_line_and_loads_nothing(engine: sa.Engine, app
         [contact("a", name="Changed"), contact("d"), '{"id": "e", "payload": {', contact("f"), contact("g")],
     )
     refused(load(applied, bad), "line 3")
-    assert table_rows(engine, mirror_records) == []
+    assert table_rows(engine, mirror_records_table) == []
 
     set_up(engine, config(), contact("a"), contact("b"))
-    before = table_rows(engine, mirror_records)
+    before = table_rows(engine, mirror_records_table)
     refused(load(applied, bad), "line 3")
-    assert table_rows(engine, mirror_records) == before  # neither a's change nor d went in
+    assert table_rows(engine, mirror_records_table) == before  # neither a's change nor d went in
 
 
 def test_mirror_load_from_an_unknown_source_exits_2(engine: sa.Engine, applied: Path) -> None:
     name = write_jsonl(applied, "one.jsonl", [contact("a")])
     refused(load(applied, name, source="warehouse"), "'warehouse'")
-    assert table_rows(engine, mirror_records) == []
+    assert table_rows(engine, mirror_records_table) == []
 
 
 @pytest.mark.parametrize("domain", ["", "d" * 300], ids=["empty", "longer-than-200"])
 def test_mirror_load_refuses_a_domain_no_rule_can_have(engine: sa.Engine, applied: Path, domain: str) -> None:
     refused(load(applied, write_jsonl(applied, "one.jsonl", [contact("a")]), domain=domain), "domain")
-    assert table_rows(engine, mirror_records) == []
+    assert table_rows(engine, mirror_records_table) == []
 
 
 @pytest.mark.slow
@@ -222,7 +222,7 @@ def test_mirror_load_of_100k_lines(db_url: str, request: pytest.FixtureRequest) 
     proc = ok(load(workdir, "big.jsonl"))
     assert f"{count} records read: {count} new, 0 changed, 0 unchanged" in proc.stdout
     with engine.connect() as conn:
-        assert conn.execute(sa.select(sa.func.count()).select_from(mirror_records)).scalar_one() == count
+        assert conn.execute(sa.select(sa.func.count()).select_from(mirror_records_table)).scalar_one() == count
 
 
 # -- 3. connections -----------------------------------------------------------------------------
@@ -268,7 +268,7 @@ def test_connections_listing_and_status(engine: sa.Engine, applied: Path) -> Non
     usage_error = finish(bad_value)
     refused(usage_error, "bogus")
     assert "Usage" in usage_error.stderr
-    assert [c["status"] for c in table_rows(engine, connections)] == ["error", "active"]
+    assert [c["status"] for c in table_rows(engine, connections_table)] == ["error", "active"]
 
 
 # -- 4. rules -----------------------------------------------------------------------------------
@@ -366,7 +366,7 @@ def test_run_on_a_closed_route_completes_without_sending(live: Path, engine: sa.
     human = ok(delivery("run", RULE, cwd=live, env=prefect_env()))
     assert "COMPLETED" in human.stdout and RULE in human.stdout and "route_closed" in human.stdout
     assert "crm" in human.stdout
-    assert target.requests == [] and table_rows(engine, ledger) == []
+    assert target.requests == [] and table_rows(engine, ledger_table) == []
 
     result = as_json(delivery("run", RULE, "--json", cwd=live, env=prefect_env()))
     assert result["state"] == "COMPLETED" and result["ended_by"] == "route_closed"
@@ -377,13 +377,13 @@ def test_run_on_a_closed_route_completes_without_sending(live: Path, engine: sa.
 
 def test_run_with_a_rule_fault_fails_with_exit_1(live: Path, engine: sa.Engine, target: TargetServer) -> None:
     with engine.begin() as conn:  # the driver changed after the rule was saved
-        conn.execute(connections.update().where(connections.c.name == "crm").values(driver="soap"))
+        conn.execute(connections_table.update().where(connections_table.c.name == "crm").values(driver="soap"))
     proc = delivery("run", RULE, "--json", cwd=live, env=prefect_env())
     assert proc.returncode == 1, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     result = json.loads(proc.stdout)
     assert result["state"] == "FAILED" and result["ended_by"] == "rule_fault"
     assert "MissingWriter" in result["message"] and "soap" in result["message"]
-    assert target.requests == [] and table_rows(engine, ledger) == []
+    assert target.requests == [] and table_rows(engine, ledger_table) == []
 
     human = delivery("run", RULE, cwd=live, env=prefect_env())
     assert human.returncode == 1, f"stdout:\n{human.stdout}\nstderr:\n{human.stderr}"
@@ -466,9 +466,9 @@ def test_db_upgrade_creates_the_schema_in_a_fresh_sqlite_file(tmp_path: Path) ->
 
 
 def test_db_upgrade_on_a_migrated_database_is_a_no_op(engine: sa.Engine, applied: Path) -> None:
-    before = table_rows(engine, connections)
+    before = table_rows(engine, connections_table)
     assert "latest schema" in ok(delivery("db", "upgrade", cwd=applied)).stdout
-    assert table_rows(engine, connections) == before
+    assert table_rows(engine, connections_table) == before
 
 
 def test_default_database_is_delivery_db_in_the_working_directory(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ from typer.testing import CliRunner
 
 from delivery import db
 from delivery.storable import text_problem
-from delivery.store.tables import connections
+from delivery.store.tables import connections_table
 from flows.cli import main
 from tests.support.cli import config, contact, set_up
 from tests.support.ledger import dump
@@ -567,7 +567,7 @@ def assert_usable_base_urls(engine: sa.Engine) -> None:
     """Every base URL saved is one the REST writer can send to: httpx reads it, it names a host
     and a port that exists, and a client on it builds a request as the writer's does."""
     with engine.connect() as conn:
-        saved = conn.execute(sa.select(connections.c.name, connections.c.base_url)).all()
+        saved = conn.execute(sa.select(connections_table.c.name, connections_table.c.base_url)).all()
     for name, base_url in saved:
         if base_url is None:
             continue

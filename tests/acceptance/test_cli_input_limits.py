@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from delivery.clock import utcnow
-from delivery.store.tables import chains, ledger, mirror_records, requeues, rules
+from delivery.store.tables import chains_table, ledger_table, mirror_records_table, requeues_table, rules_table
 from delivery.tick import record_launch
 from tests.integration.world import World
 from tests.support.cli import (
@@ -65,7 +65,7 @@ def test_mirror_load_refuses_text_no_database_stores_alike_exit_2_nothing_loaded
 ) -> None:
     """Before: a NUL gave a psycopg DataError traceback (exit 1) on PostgreSQL and was stored on
     SQLite; a lone surrogate loaded on both, and every chain then parked the record exhausted."""
-    before = table_rows(engine, mirror_records)
+    before = table_rows(engine, mirror_records_table)
     started = {}
     for case, line, _ in BAD_LINES:
         name = write_jsonl(applied, f"{case}.jsonl", ['{"id": "kept", "payload": {"v": 2}}', line])
@@ -77,7 +77,7 @@ def test_mirror_load_refuses_text_no_database_stores_alike_exit_2_nothing_loaded
         except AssertionError as exc:
             failures.append(f"[{case}] {exc}")
     assert not failures, "\n\n".join(failures)
-    assert table_rows(engine, mirror_records) == before  # not even kept's change on line 1
+    assert table_rows(engine, mirror_records_table) == before  # not even kept's change on line 1
 
 
 def test_an_id_repeated_in_one_file_is_counted_once_as_new_and_its_last_line_is_stored(
@@ -102,12 +102,12 @@ def test_an_id_repeated_in_one_file_is_counted_once_as_new_and_its_last_line_is_
 
 
 def _mirror(engine: sa.Engine) -> dict[str, dict[str, Any]]:
-    return {r["external_id"]: r for r in table_rows(engine, mirror_records)}
+    return {r["external_id"]: r for r in table_rows(engine, mirror_records_table)}
 
 
 def _chains(engine: sa.Engine) -> list[dict[str, Any]]:
     with engine.connect() as conn:
-        return [row._asdict() for row in conn.execute(sa.select(chains).order_by(chains.c.token))]
+        return [row._asdict() for row in conn.execute(sa.select(chains_table).order_by(chains_table.c.token))]
 
 
 def test_apply_refuses_a_nul_naming_its_path_exit_2_nothing_written(
@@ -131,15 +131,15 @@ def test_requeue_refuses_a_by_longer_than_the_audit_row_keeps_exit_2_nothing_wri
     world = World(engine, target).apply()
     world.load("p1")
     park(world, "p1", "exhausted", updated_at=utcnow())
-    before = table_rows(engine, ledger)
+    before = table_rows(engine, ledger_table)
     for extra in ([], ["--dry-run"]):
         proc = delivery("requeue", RULE, "--by", "x" * 500, *extra, cwd=tmp_path)
         refused(proc, "error: --by: the value is longer than 200 characters")
     # An undecodable byte in an argument becomes a lone surrogate, which no database encodes.
     refused(delivery("requeue", RULE, "--by", "ops\udcff", cwd=tmp_path), "error: --by: 'ops\\xff' is not UTF-8 text")
-    assert table_rows(engine, ledger) == before and table_rows(engine, requeues) == []
+    assert table_rows(engine, ledger_table) == before and table_rows(engine, requeues_table) == []
     ok(delivery("requeue", RULE, "--by", "x" * 200, cwd=tmp_path))
-    assert [r["requested_by"] for r in table_rows(engine, requeues)] == ["x" * 200]
+    assert [r["requested_by"] for r in table_rows(engine, requeues_table)] == ["x" * 200]
 
 
 #: Command lines with a byte that is not UTF-8 (Python reads it as the lone surrogate \udcff), and
@@ -161,7 +161,11 @@ def test_a_byte_that_is_not_utf8_in_any_argument_is_refused_naming_it_exit_2_not
 ) -> None:
     """Before: a UnicodeEncodeError traceback from the database driver (exit 1), on both databases,
     wherever the value first met a query."""
-    before = (table_rows(engine, rules), table_rows(engine, mirror_records), table_rows(engine, ledger))
+    before = (
+        table_rows(engine, rules_table),
+        table_rows(engine, mirror_records_table),
+        table_rows(engine, ledger_table),
+    )
     started = [(args, where, spawn(*args, cwd=applied)) for args, where in UNDECODABLE]
     failures = []
     for args, where, popen in started:
@@ -170,7 +174,11 @@ def test_a_byte_that_is_not_utf8_in_any_argument_is_refused_naming_it_exit_2_not
         except AssertionError as exc:
             failures.append(f"{args}: {exc}")
     assert not failures, "\n\n".join(failures)
-    after = (table_rows(engine, rules), table_rows(engine, mirror_records), table_rows(engine, ledger))
+    after = (
+        table_rows(engine, rules_table),
+        table_rows(engine, mirror_records_table),
+        table_rows(engine, ledger_table),
+    )
     assert after == before
     # A path is not text for a database: a file whose name is not UTF-8 is read as before.
     (applied / "conf\udcff.jsonl").write_text('{"id": "kept", "payload": {"v": 7}}\n', encoding="utf-8")
@@ -182,7 +190,7 @@ def test_values_past_what_a_database_or_the_calendar_holds_are_refused_exit_2_no
 ) -> None:
     """Before: tracebacks (exit 1) on both databases: a --since that leaves the years 1-9999 once
     turned to UTC, and a --limit beyond a 64-bit integer."""
-    before = (table_rows(engine, ledger), table_rows(engine, requeues))
+    before = (table_rows(engine, ledger_table), table_rows(engine, requeues_table))
     cases = [
         (["requeue", RULE, "--since", "0001-01-01T00:00:00+05:00", "--dry-run"], "error: --since: falls outside"),
         (["requeue", RULE, "--since", "9999-12-31T23:59:59-05:00"], "error: --since: falls outside the years 1"),
@@ -191,7 +199,7 @@ def test_values_past_what_a_database_or_the_calendar_holds_are_refused_exit_2_no
     started = [(args, fragment, spawn(*args, cwd=applied)) for args, fragment in cases]
     for _, fragment, popen in started:
         refused(finish(popen), fragment)
-    assert (table_rows(engine, ledger), table_rows(engine, requeues)) == before
+    assert (table_rows(engine, ledger_table), table_rows(engine, requeues_table)) == before
     ok(delivery("requeue", RULE, "--since", "0001-01-01", "--dry-run", cwd=applied))
 
 
@@ -205,10 +213,10 @@ def test_tick_refuses_a_dead_after_minutes_that_would_judge_live_chains_dead(
     """Before: -1 or 0 superseded a live chain as dead, nan gave a ValueError traceback (exit 1)."""
     with engine.begin() as conn:
         record_launch(conn, RULE, utcnow())  # a chain alive, as the tick sees one
-    before = (table_rows(engine, rules), _chains(engine))
+    before = (table_rows(engine, rules_table), _chains(engine))
     proc = delivery("tick", f"--dead-after-minutes={value}", cwd=applied)
     refused(proc, f"error: --dead-after-minutes: Input should be {'a finite number' if value == 'nan' else problem}")
-    assert (table_rows(engine, rules), _chains(engine)) == before
+    assert (table_rows(engine, rules_table), _chains(engine)) == before
 
 
 def test_the_tick_flow_refuses_the_same_parameter(prefect_api: None, engine: sa.Engine, applied: Path) -> None:
@@ -218,11 +226,11 @@ def test_the_tick_flow_refuses_the_same_parameter(prefect_api: None, engine: sa.
 
     with engine.begin() as conn:
         record_launch(conn, RULE, utcnow())
-    before = (table_rows(engine, rules), _chains(engine))
+    before = (table_rows(engine, rules_table), _chains(engine))
     state: Any = asyncio.run(delivery_tick(dead_after_minutes=-5, return_state=True))  # type: ignore[arg-type]
     assert state.is_failed() and state.name == "Failed"
     assert state.message == "dead_after_minutes: Input should be greater than 0"
-    assert (table_rows(engine, rules), _chains(engine)) == before
+    assert (table_rows(engine, rules_table), _chains(engine)) == before
 
 
 # -- DELIVERY_DATABASE_URL ------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from delivery.chain import Chain
 from delivery.config import parse_config
 from delivery.domain import Phase
 from delivery.errors import MissingWriter
-from delivery.store.tables import connections
+from delivery.store.tables import connections_table
 from flows.cli import app
 from tests.integration.world import World
 from tests.target_server import Answer, TargetServer
@@ -70,7 +70,7 @@ def narrow_world(engine: sa.Engine, target: TargetServer) -> World:
         pass
     chain.finish()
     with engine.begin() as conn:
-        conn.execute(connections.update().where(connections.c.name == "erp").values(driver="soap"))
+        conn.execute(connections_table.update().where(connections_table.c.name == "erp").values(driver="soap"))
     broken = Chain(engine, COMPANIES)
     with pytest.raises(MissingWriter) as fault:
         broken.open()

@@ -22,7 +22,13 @@ from delivery.domain import MirrorInput
 from delivery.liveness import dead_chain_after
 from delivery.store import catalog
 from delivery.store.mirror import load_records
-from delivery.store.tables import breaker_states, chains, connections, ledger, mirror_records
+from delivery.store.tables import (
+    breaker_states_table,
+    chains_table,
+    connections_table,
+    ledger_table,
+    mirror_records_table,
+)
 from delivery.tick import plan_tick
 from tests.support.cli import (
     RULE,
@@ -83,7 +89,7 @@ def _tick_would(engine: sa.Engine) -> str:
 
 def _chain_count(engine: sa.Engine) -> int:
     with engine.connect() as conn:
-        return int(conn.execute(sa.select(sa.func.count()).select_from(chains)).scalar_one())
+        return int(conn.execute(sa.select(sa.func.count()).select_from(chains_table)).scalar_one())
 
 
 def _deliver_rule_runs() -> int:
@@ -174,8 +180,10 @@ def test_a_caught_up_rule_runs_a_chain_only_with_always_a_change_or_a_due_retry(
 
     # A retry not due yet is nothing to do; once due, the chain drains it.
     with engine.begin() as conn:
-        record_id = conn.execute(sa.select(mirror_records.c.id).where(mirror_records.c.external_id == "b")).scalar_one()
-        retry = ledger.update().where(ledger.c.record_id == record_id)
+        record_id = conn.execute(
+            sa.select(mirror_records_table.c.id).where(mirror_records_table.c.external_id == "b")
+        ).scalar_one()
+        retry = ledger_table.update().where(ledger_table.c.record_id == record_id)
         conn.execute(retry.values(status="failed", attempts=1, next_attempt_at=utcnow() + timedelta(hours=1)))
     _nothing_to_do(engine, rule_set_up, cursor)
     with engine.begin() as conn:
@@ -184,7 +192,10 @@ def test_a_caught_up_rule_runs_a_chain_only_with_always_a_change_or_a_due_retry(
     drained = _chain(engine, rule_set_up)
     assert drained["ended_by"] == "caught_up" and sum(drained["drained"].values()) == 1
     with engine.connect() as conn:
-        assert conn.execute(sa.select(ledger.c.status).where(ledger.c.record_id == record_id)).scalar_one() != "failed"
+        assert (
+            conn.execute(sa.select(ledger_table.c.status).where(ledger_table.c.record_id == record_id)).scalar_one()
+            != "failed"
+        )
     _nothing_to_do(engine, rule_set_up, cursor)
 
 
@@ -197,7 +208,7 @@ def test_a_closed_route_or_an_open_breaker_with_nothing_to_do_is_idle_as_in_the_
     with engine.begin() as conn:
         target_id = catalog.get_rule(conn, RULE).target.id
         conn.execute(
-            breaker_states.insert().values(
+            breaker_states_table.insert().values(
                 connection_id=target_id, state="open", fail_counter=50, success_counter=0, opened_at=utcnow()
             )
         )
@@ -214,7 +225,7 @@ def test_a_misconfigured_rule_with_nothing_to_do_still_fails(
     engine: sa.Engine, rule_set_up: Path, target: TargetServer
 ) -> None:
     with engine.begin() as conn:  # the driver changed after the rule was saved
-        conn.execute(connections.update().where(connections.c.name == "crm").values(driver="soap"))
+        conn.execute(connections_table.update().where(connections_table.c.name == "crm").values(driver="soap"))
     assert _tick_would(engine) == "start"
     result = _chain(engine, rule_set_up, exit_code=1)
     assert result["state"] == "FAILED" and result["ended_by"] == "rule_fault"

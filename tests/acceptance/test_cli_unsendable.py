@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from delivery.store.tables import mirror_records
+from delivery.store.tables import mirror_records_table
 from tests.support.cli import config, contact, load, ok, refused, set_up, table_rows, write_jsonl, write_yaml
 
 
@@ -28,11 +28,11 @@ def applied(engine: sa.Engine, tmp_path: Path) -> Path:
 def test_mirror_load_refuses_a_non_finite_number_exit_2_nothing_loaded(
     engine: sa.Engine, applied: Path, literal: str, label: str
 ) -> None:
-    before = table_rows(engine, mirror_records)
+    before = table_rows(engine, mirror_records_table)
     lines = [contact("a", name="Changed"), contact("b"), "", f'{{"id": "c", "payload": {{"score": {literal}}}}}']
     stderr = refused(load(applied, write_jsonl(applied, "bad.jsonl", lines)), "line 4", f"payload.score is {label}")
     assert "JSON cannot carry" in stderr
-    assert table_rows(engine, mirror_records) == before  # neither a's change nor b went in
+    assert table_rows(engine, mirror_records_table) == before  # neither a's change nor b went in
 
 
 def test_mirror_load_of_the_same_file_without_the_bad_line_loads(engine: sa.Engine, applied: Path) -> None:

@@ -30,15 +30,14 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
-from delivery import liveness, policy
+from delivery import decisions, liveness
 from delivery.apply import apply_config
 from delivery.config import parse_config
 from delivery.domain import LedgerStatus, MirrorInput
-from delivery.store import catalog
-from delivery.store import chains as chain_store
+from delivery.store import catalog, chains
 from delivery.store.ledger import CREATE_IN_FLIGHT
 from delivery.store.mirror import load_records
-from delivery.store.tables import ledger, mirror_records
+from delivery.store.tables import ledger_table, mirror_records_table
 from tests.target_server import RecordedRequest, TargetServer
 
 pytestmark = pytest.mark.slow
@@ -340,7 +339,7 @@ class Run:
     def bury(self) -> None:
         """What the tick does for a dead chain: close the fence on it and end its row."""
         with self.engine.connect() as conn:
-            tokens = [c["token"] for c in chain_store.open_chains(conn, self.rule_id)]
+            tokens = [c.token for c in chains.open_chains(conn, self.rule_id)]
         for token in tokens:
             liveness.supersede(self.engine, self.rule_id, token, "killed by the test (SIGKILL)")
 
@@ -350,15 +349,17 @@ class Run:
         with self.engine.connect() as conn:
             found = conn.execute(
                 sa.select(
-                    mirror_records.c.external_id,
-                    mirror_records.c.payload,
-                    mirror_records.c.changed_at,
-                    ledger.c.status,
-                    ledger.c.remote_id,
-                    ledger.c.fingerprint,
-                    ledger.c.last_error,
-                    ledger.c.settled_changed_at,
-                ).select_from(mirror_records.outerjoin(ledger, ledger.c.record_id == mirror_records.c.id))
+                    mirror_records_table.c.external_id,
+                    mirror_records_table.c.payload,
+                    mirror_records_table.c.changed_at,
+                    ledger_table.c.status,
+                    ledger_table.c.remote_id,
+                    ledger_table.c.fingerprint,
+                    ledger_table.c.last_error,
+                    ledger_table.c.settled_changed_at,
+                ).select_from(
+                    mirror_records_table.outerjoin(ledger_table, ledger_table.c.record_id == mirror_records_table.c.id)
+                )
             )
             return {row.external_id: row for row in found}
 
@@ -376,7 +377,7 @@ class Run:
                 if not isinstance(body, dict):
                     continue
                 row = rows.get(str(body.get("external")))
-                digest = policy.fingerprint(body)
+                digest = decisions.body_digest(body)
                 if row is None or row.status != LedgerStatus.DELIVERED.value or row.fingerprint != digest:
                     missing.add(body.get("external"))
         return len(missing)
@@ -461,7 +462,7 @@ def test_chains_killed_at_random_lose_no_change_and_create_nothing_twice(
     wrong_rows = {}
     for ext, row in rows.items():
         (record,) = stored[ext]
-        body = policy.map_payload(row.payload, FIELDS)
+        body = decisions.map_payload(row.payload, FIELDS)
         if {k: v for k, v in record.items() if k != "id"} != body:
             stale[ext] = (record, body)
         wrong = [
@@ -469,7 +470,7 @@ def test_chains_killed_at_random_lose_no_change_and_create_nothing_twice(
             for what, bad in (
                 (f"status {row.status}", row.status != LedgerStatus.DELIVERED.value),
                 (f"remote_id {row.remote_id} (the target's: {record['id']})", row.remote_id != record["id"]),
-                ("not the latest body's digest", row.fingerprint != policy.fingerprint(body)),
+                ("not the latest body's digest", row.fingerprint != decisions.body_digest(body)),
                 ("not the latest change settled", row.settled_changed_at != row.changed_at),
             )
             if bad

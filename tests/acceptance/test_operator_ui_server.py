@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
-from flows.alerts import AUTOMATIONS_DIR
+from flows.automations import AUTOMATIONS_DIR
 from flows.breaker_events import OPENED
 from flows.chain_reporting import records_artifact_key
 from flows.cli import app

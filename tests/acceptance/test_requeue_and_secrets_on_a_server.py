@@ -34,7 +34,7 @@ import sqlalchemy as sa
 
 from delivery import db
 from delivery.clock import utcnow
-from delivery.store.tables import metadata, requeues
+from delivery.store.tables import metadata, requeues_table
 from tests.integration.world import RULE, World
 from tests.prefect_server import prefect_server, stop_group
 from tests.support.databases import create_postgres_database, drop_postgres_database, unique
@@ -241,7 +241,7 @@ def test_the_requeue_deployment_requeues_records_the_audit_with_its_run_and_list
         "gone": "remote_gone",
     }
     with served.engine.connect() as conn:
-        [entry] = [r._asdict() for r in conn.execute(sa.select(requeues))]
+        [entry] = [r._asdict() for r in conn.execute(sa.select(requeues_table))]
     assert entry["flow_run_id"] == str(run.id)
     assert entry["requested_by"] == "ui-operator" and sorted(entry["external_ids"]) == ["kept", "p1"]
     artifacts = {a.key: a for a in artifacts_of(served, run.id)}

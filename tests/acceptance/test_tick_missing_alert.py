@@ -32,7 +32,7 @@ from uuid import UUID, uuid4
 import pytest
 import sqlalchemy as sa
 
-from flows.alerts import FORMER_NAMES, TICK_MISSING_FILE, automations, install
+from flows.automations import FORMER_NAMES, TICK_MISSING_FILE, automations, install
 from tests.prefect_server import prefect_server
 from tests.support.databases import unique
 

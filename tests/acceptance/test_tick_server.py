@@ -30,7 +30,7 @@ import yaml
 
 from delivery.apply import apply_config
 from delivery.config import parse_config
-from delivery.store.tables import chains
+from delivery.store.tables import chains_table
 from flows.deliver_rule import CHAIN_TOKEN_KEY
 from tests.integration.runs import run_logs
 from tests.integration.world import RULE, World
@@ -130,7 +130,7 @@ def test_a_tick_names_its_chains_runs_keys_them_by_chain_token_and_publishes_the
     assert set(deployment.parameter_openapi_schema["properties"]) == {"rule"}
     assert deployment.parameter_openapi_schema["properties"]["rule"]["description"]
     with world.engine.connect() as conn:
-        chain = conn.execute(sa.select(chains).where(chains.c.token == started["chain_token"])).one()
+        chain = conn.execute(sa.select(chains_table).where(chains_table.c.token == started["chain_token"])).one()
     assert chain.flow_run_id == started["flow_run_id"] and chain.ended_at is None
 
     # The health page: one row per rule, on the tick's own run.
@@ -242,7 +242,9 @@ def test_retry_from_the_ui_starts_a_fresh_chain_that_delivers(
     assert "ended:caught_up" in run.tags and not [t for t in run.tags if t.startswith(("fault:", "ended:rule"))]
     assert len(world.target.records("contacts")) == 1  # delivered by the retry
     with world.engine.connect() as conn:
-        mine = conn.execute(sa.select(chains).where(chains.c.flow_run_id == run_id).order_by(chains.c.started_at)).all()
+        mine = conn.execute(
+            sa.select(chains_table).where(chains_table.c.flow_run_id == run_id).order_by(chains_table.c.started_at)
+        ).all()
     # The launch's chain ended with the fault; the retry ran a fresh chain of its own, which caught up.
     assert [c.token == started["chain_token"] for c in mine] == [True, False]
     assert mine[-1].ended_by == "caught_up"

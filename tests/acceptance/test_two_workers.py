@@ -39,7 +39,7 @@ import yaml
 
 from delivery.apply import apply_config
 from delivery.config import parse_config
-from delivery.store.tables import chains, rules
+from delivery.store.tables import chains_table, rules_table
 from tests.integration.world import World
 from tests.prefect_server import api_call, prefect_server, stop_group
 from tests.support.databases import create_postgres_database, drop_postgres_database
@@ -190,7 +190,9 @@ def test_two_workers_share_the_rules_and_no_rule_ever_runs_two_jobs_at_once(
     assert posts == Counter({(f"/api/{rule}", world.key(i)): 1 for rule in RULES for i in RECORDS})
     with world.engine.connect() as conn:
         reports = conn.execute(
-            sa.select(rules.c.name, chains.c.report, chains.c.ended_by).join(rules, rules.c.id == chains.c.rule_id)
+            sa.select(rules_table.c.name, chains_table.c.report, chains_table.c.ended_by).join(
+                rules_table, rules_table.c.id == chains_table.c.rule_id
+            )
         ).all()
     delivered = Counter[str]()
     for name, report, ended_by in reports:

@@ -27,7 +27,7 @@ from delivery.clock import utcnow
 from delivery.config import parse_config
 from delivery.domain import MirrorInput
 from delivery.store.mirror import load_records
-from delivery.store.tables import ledger
+from delivery.store.tables import ledger_table
 from tests.support.cli import as_json, delivery, finish, ok, prefect_env, spawn
 from tests.target_server import Answer, TargetServer
 
@@ -81,7 +81,9 @@ def make_due(engine: sa.Engine) -> None:
     """Time travel: the failed rows' retries are due now."""
     with engine.begin() as conn:
         conn.execute(
-            ledger.update().where(ledger.c.status == "failed").values(next_attempt_at=utcnow() - timedelta(seconds=1))
+            ledger_table.update()
+            .where(ledger_table.c.status == "failed")
+            .values(next_attempt_at=utcnow() - timedelta(seconds=1))
         )
 
 

@@ -35,7 +35,7 @@ import yaml
 
 from delivery.apply import apply_config
 from delivery.config import parse_config
-from delivery.store.tables import chains, rules
+from delivery.store.tables import chains_table, rules_table
 from tests.integration.world import World
 from tests.prefect_server import api_call, prefect_server, stop_group
 from tests.support.databases import create_postgres_database, drop_postgres_database
@@ -230,7 +230,7 @@ def test_two_warm_workers_share_the_chains_and_deliver_every_record_once(
     posts = Counter((r.path, r.key) for r in target.requests if r.method == "POST")
     assert posts == Counter({(f"/api/{rule}", world.key(f"c-{i}")): 1 for rule in names for i in range(1, 31)})
     with engine.connect() as conn:
-        ended = conn.execute(sa.select(chains.c.ended_by)).scalars().all()
+        ended = conn.execute(sa.select(chains_table.c.ended_by)).scalars().all()
     assert set(ended) <= {"caught_up", "superseded"}, ended
 
     # Each run was taken by exactly one worker; both took some; a worker ran chains side by side.
@@ -269,7 +269,7 @@ def test_a_run_cancelled_from_the_api_ends_cancelled_and_sigterm_cancels_the_run
     _wait("the run to end", lambda: state(run_id) in FINAL, workers, seconds=120)
     assert state(run_id) == "CANCELLED"
     with engine.connect() as conn:
-        assert conn.execute(sa.select(chains.c.ended_by)).scalar_one() == "cancelled"
+        assert conn.execute(sa.select(chains_table.c.ended_by)).scalar_one() == "cancelled"
     # It stopped before the end, and whatever it sent is settled in the ledger.
     ledger = world.ledger(rule)
     sent = {r.key for r in target.requests if r.method == "POST"}
@@ -350,9 +350,9 @@ def test_kill_9_of_a_warm_worker_holding_several_chains_the_next_tick_takes_them
     with engine.connect() as conn:
         dead = (
             conn.execute(
-                sa.select(rules.c.name)
-                .join(chains, chains.c.rule_id == rules.c.id)
-                .where(chains.c.flow_run_id.in_(doomed), chains.c.ended_at.is_not(None))
+                sa.select(rules_table.c.name)
+                .join(chains_table, chains_table.c.rule_id == rules_table.c.id)
+                .where(chains_table.c.flow_run_id.in_(doomed), chains_table.c.ended_at.is_not(None))
             )
             .scalars()
             .all()

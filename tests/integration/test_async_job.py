@@ -24,7 +24,7 @@ from delivery.domain import Connection, Phase
 from delivery.errors import RecordRejected, TargetUnavailable
 from delivery.grouped import GroupedJob
 from delivery.per_record import PerRecordJob
-from delivery.store import ledger as ledger_store
+from delivery.store import ledger
 from delivery.writers.base import Creates, CreatesAsync, Updates, UpdatesAsync, Writer
 from delivery.writers.registry import register_writer, reset_registry
 from tests.integration.engine_events import Commits
@@ -110,8 +110,8 @@ def test_a_timeout_raised_into_the_jobs_thread_cuts_it_and_what_may_have_gone_ou
     for i in rows:
         full = world.full_ledger_row(i)
         # Settled before the cut, or its outcome unknown: in flight, its retry repeating the key.
-        assert full["status"] == "delivered" or full["last_error"] == ledger_store.CREATE_IN_FLIGHT, full
-    assert any(world.full_ledger_row(i)["last_error"] == ledger_store.CREATE_IN_FLIGHT for i in sent)
+        assert full["status"] == "delivered" or full["last_error"] == ledger.CREATE_IN_FLIGHT, full
+    assert any(world.full_ledger_row(i)["last_error"] == ledger.CREATE_IN_FLIGHT for i in sent)
     # The next chain sends the unknown ones again under the same key: one copy of each record.
     target.latency_ms = 0
     world.make_due()

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from delivery.domain import ChainEnd
 from delivery.errors import Unauthorized
-from delivery.store.tables import breaker_states
+from delivery.store.tables import breaker_states_table
 from tests.integration.world import RULE, World, email
 from tests.support.chains import drive
 from tests.target_server import Answer, TargetServer, _Reply
@@ -134,7 +134,7 @@ def test_a_429_on_the_whole_call_pauses_the_target_and_sends_the_same_call_again
     first, second = world.target.batch_requests()
     assert second.time - first.time >= 0.9
     with world.engine.connect() as conn:
-        assert conn.execute(sa.select(breaker_states.c.fail_counter)).scalar_one() == 0
+        assert conn.execute(sa.select(breaker_states_table.c.fail_counter)).scalar_one() == 0
 
 
 def test_a_refused_token_fails_the_chain_and_takes_every_intent_back(world: World) -> None:

@@ -28,7 +28,7 @@ from delivery.chain import Chain
 from delivery.clock import utcnow
 from delivery.domain import Phase
 from delivery.store.ledger import CREATE_IN_FLIGHT
-from delivery.store.tables import chains, ledger
+from delivery.store.tables import chains_table, ledger_table
 from tests.integration.runs import run_tags
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
@@ -80,7 +80,9 @@ def _ledger_count(world: World) -> int:
     window's intents before its first request)."""
     with world.engine.connect() as conn:
         query = (
-            sa.select(sa.func.count()).select_from(ledger).where(ledger.c.last_error.is_distinct_from(CREATE_IN_FLIGHT))
+            sa.select(sa.func.count())
+            .select_from(ledger_table)
+            .where(ledger_table.c.last_error.is_distinct_from(CREATE_IN_FLIGHT))
         )
         return int(conn.execute(query).scalar_one())
 
@@ -98,12 +100,12 @@ def _wait_for_rows(world: World, n: int, alive: Any, timeout: float = 120) -> No
 
 def _last_write(world: World) -> datetime:
     with world.engine.connect() as conn:
-        return conn.execute(sa.select(sa.func.max(ledger.c.updated_at))).scalar_one()  # type: ignore[no-any-return]
+        return conn.execute(sa.select(sa.func.max(ledger_table.c.updated_at))).scalar_one()  # type: ignore[no-any-return]
 
 
 def _chain_row(world: World, flow_run_id: str) -> Any:
     with world.engine.connect() as conn:
-        return conn.execute(sa.select(chains).where(chains.c.flow_run_id == flow_run_id)).one()
+        return conn.execute(sa.select(chains_table).where(chains_table.c.flow_run_id == flow_run_id)).one()
 
 
 async def _state_of(flow_run_id: str) -> str:
@@ -117,7 +119,9 @@ async def _state_of(flow_run_id: str) -> str:
 
 def _in_flight_intents(world: World) -> int:
     with world.engine.connect() as conn:
-        query = sa.select(sa.func.count()).select_from(ledger).where(ledger.c.last_error == CREATE_IN_FLIGHT)
+        query = (
+            sa.select(sa.func.count()).select_from(ledger_table).where(ledger_table.c.last_error == CREATE_IN_FLIGHT)
+        )
         return int(conn.execute(query).scalar_one())
 
 
@@ -248,7 +252,9 @@ def test_the_tick_asks_a_dead_chains_run_to_stop_instead_of_forcing_it_cancelled
     assert dead.run_batch(Phase.SCAN).attempted == 3
     with world.engine.begin() as conn:
         conn.execute(
-            chains.update().where(chains.c.token == dead.token).values(heartbeat_at=utcnow() - timedelta(minutes=20))
+            chains_table.update()
+            .where(chains_table.c.token == dead.token)
+            .values(heartbeat_at=utcnow() - timedelta(minutes=20))
         )
     state = _tick()
     assert state.is_completed() and "1 dead replaced" in state.message
@@ -280,6 +286,6 @@ def test_a_tick_stopped_during_a_chain_ends_cancelled_and_starts_no_further_chai
     state = _tick()
     assert state.is_cancelled(), state
     with world.engine.connect() as conn:
-        ended = [row.ended_by for row in conn.execute(sa.select(chains))]
+        ended = [row.ended_by for row in conn.execute(sa.select(chains_table))]
     assert ended == ["cancelled"]  # the other rule's chain was never started
     assert emitted == []

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 from delivery.clock import utcnow
-from delivery.store.tables import chains, connections
+from delivery.store.tables import chains_table, connections_table
 from tests.integration.world import RULE, World
 from tests.support.faults import scan_then_race
 from tests.target_server import Answer, TargetServer
@@ -325,7 +325,7 @@ def test_closed_route_completes_writes_nothing_and_names_the_connection(
 ) -> None:
     world.load("a")
     with world.engine.begin() as conn:
-        conn.execute(connections.update().where(connections.c.name == connection).values(status=status))
+        conn.execute(connections_table.update().where(connections_table.c.name == connection).values(status=status))
     result = world.run()
     assert result["state"] == "COMPLETED" and result["ended_by"] == "route_closed"
     assert connection in result["message"] and status in result["message"]
@@ -342,7 +342,10 @@ def test_open_breaker_ends_the_chain_completed_and_leaves_the_connection_alone(w
     assert result["scanned"]["failed"] == 3 and len(world.ledger()) == 3
     assert world.cursor().record_id == world.record_id("r2")  # moved past the attempted ones only
     with world.engine.connect() as conn:
-        assert conn.execute(sa.select(connections.c.status).where(connections.c.name == "crm")).scalar() == "active"
+        assert (
+            conn.execute(sa.select(connections_table.c.status).where(connections_table.c.name == "crm")).scalar()
+            == "active"
+        )
     sent = len(world.target.requests)
     again = world.run()  # the breaker is still open: the chain ends before the drain
     assert again["ended_by"] == "breaker_open" and len(world.target.requests) == sent
@@ -383,22 +386,22 @@ def test_writer_without_the_needed_verb_fails_the_chain_and_leaves_the_cursor(wo
 
 
 def test_ledger_row_where_the_scan_saw_none_fails_the_chain(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
-    from delivery.store import ledger as ledger_store
+    from delivery.store import ledger
 
     world.load("a")
     # Another writer settles the record behind the scan's back.
-    monkeypatch.setattr(ledger_store, "scan_page", scan_then_race(ledger_store.scan_page))
+    monkeypatch.setattr(ledger, "scan_page", scan_then_race(ledger.scan_page))
     result = world.run()
     assert result["state"] == "FAILED" and "LedgerRowConflict" in result["message"] and "'a'" in result["message"]
     assert world.cursor() is None
 
 
 def test_candidate_the_scan_should_never_return_fails_the_chain(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
-    from delivery.store import ledger as ledger_store
+    from delivery.store import ledger
 
     world.load("a")
     world.load("other", domain="company")
-    real_scan = ledger_store.scan_page
+    real_scan = ledger.scan_page
 
     def leaky_scan(conn: sa.Connection, rule, after, limit):  # type: ignore[no-untyped-def]
         import dataclasses
@@ -408,7 +411,7 @@ def test_candidate_the_scan_should_never_return_fails_the_chain(world: World, mo
         page = real_scan(conn, rule, after, limit)
         return [Candidate(dataclasses.replace(page[0].record, domain="company", external_id="other"), None)]
 
-    monkeypatch.setattr(ledger_store, "scan_page", leaky_scan)
+    monkeypatch.setattr(ledger, "scan_page", leaky_scan)
     result = world.run()
     assert result["state"] == "FAILED" and "UnexpectedCandidate" in result["message"]
     assert "other source or domain" in result["message"]
@@ -446,7 +449,7 @@ def test_chain_is_recorded_with_its_flow_run(world: World) -> None:
     world.load("a")
     result = world.run()
     with world.engine.connect() as conn:
-        row = conn.execute(sa.select(chains)).one()._asdict()
+        row = conn.execute(sa.select(chains_table)).one()._asdict()
     assert row["flow_run_id"] == result["flow_run_id"] and row["ended_by"] == "caught_up"
     assert isinstance(row["report"], dict) and row["report"]["counts"]["delivered"] == 1
     assert world.rule_row()["chain_token"] == row["token"]

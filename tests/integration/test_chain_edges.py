@@ -16,10 +16,8 @@ from delivery.chain import Chain
 from delivery.clock import utcnow
 from delivery.domain import Candidate, ChainEnd, ConnectionStatus, LedgerStatus, Phase
 from delivery.errors import LedgerRowConflict
-from delivery.store import catalog, chains
-from delivery.store import ledger as ledger_store
-from delivery.store import requeue as requeue_store
-from delivery.store.tables import breaker_states, ledger, mirror_records
+from delivery.store import catalog, chains, ledger, requeue
+from delivery.store.tables import breaker_states_table, ledger_table, mirror_records_table
 from delivery.writers.base import Creates, Updates, Writer
 from delivery.writers.registry import register_writer, reset_registry
 from tests.integration.world import RULE, World
@@ -33,7 +31,7 @@ def world(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
 
 def _ledger_snapshot(world: World) -> list[tuple[Any, ...]]:
     with world.engine.connect() as conn:
-        return [tuple(row) for row in conn.execute(sa.select(ledger).order_by(ledger.c.id))]
+        return [tuple(row) for row in conn.execute(sa.select(ledger_table).order_by(ledger_table.c.id))]
 
 
 # -- a job that ends stops its workers (point 3) ---------------------------------------------------
@@ -122,7 +120,7 @@ def test_a_ledger_row_the_scan_did_not_see_fails_the_chain_before_the_create_goe
         with world.engine.begin() as conn:
             now = utcnow()
             conn.execute(
-                ledger.insert().values(
+                ledger_table.insert().values(
                     rule_id=chain.rule.id,
                     record_id=candidate.record.id,
                     status="delivered",
@@ -166,8 +164,8 @@ def test_a_requeue_during_the_send_stands_and_the_settle_writes_nothing(world: W
             time.sleep(0.01)
         with world.engine.begin() as conn:
             rule = catalog.get_rule(conn, RULE)
-            selection = requeue_store.Selection(statuses=(LedgerStatus.FAILED,))
-            requeued.append(requeue_store.requeue(conn, rule, selection, "ops", utcnow()))
+            selection = requeue.Selection(statuses=(LedgerStatus.FAILED,))
+            requeued.append(requeue.requeue(conn, rule, selection, "ops", utcnow()))
         requeued_at.append(world.target.pending(world.key("c-1")))
 
     requeued_at: list[int] = []
@@ -193,21 +191,19 @@ def test_a_requeue_of_a_row_settled_since_it_was_read_leaves_it_alone(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _failed_create(world, "c-1")
-    real_preview = requeue_store.preview
+    real_preview = requeue.preview
     with world.engine.connect() as conn:
         rule = catalog.get_rule(conn, RULE)
-        read = real_preview(conn, rule, requeue_store.Selection(statuses=(LedgerStatus.FAILED,)))
+        read = real_preview(conn, rule, requeue.Selection(statuses=(LedgerStatus.FAILED,)))
     assert [r["external_id"] for r in read] == ["c-1"]
     world.run()  # the chain settles c-1: delivered, the row's version moves on
-    monkeypatch.setattr(requeue_store, "preview", lambda conn, rule, selection: read)
+    monkeypatch.setattr(requeue, "preview", lambda conn, rule, selection: read)
     with world.engine.begin() as conn:
-        changed = requeue_store.requeue(
-            conn, rule, requeue_store.Selection(statuses=(LedgerStatus.FAILED,)), "ops", utcnow()
-        )
+        changed = requeue.requeue(conn, rule, requeue.Selection(statuses=(LedgerStatus.FAILED,)), "ops", utcnow())
     assert changed == []
     assert world.ledger()["c-1"]["status"] == "delivered"
     with world.engine.connect() as conn:
-        assert requeue_store.history(conn, RULE) == []
+        assert requeue.list_requeues(conn, RULE) == []
 
 
 # -- a create replayed under its key after the body changed (point 12) ----------------------------
@@ -224,12 +220,12 @@ def test_a_crash_between_the_answer_and_the_settle_then_a_change_ends_with_the_l
         raise SystemExit("killed after the target took the create")
 
     with monkeypatch.context() as patched:
-        patched.setattr(ledger_store, "settle", crash)
+        patched.setattr(ledger, "settle", crash)
         with pytest.raises(SystemExit):
             chain.run_batch(Phase.SCAN)
     assert [r["name"] for r in world.target.records("contacts").values()] == ["First"]
     row = world.full_ledger_row("c-1")
-    assert row["status"] == "failed" and row["last_error"] == ledger_store.CREATE_IN_FLIGHT
+    assert row["status"] == "failed" and row["last_error"] == ledger.CREATE_IN_FLIGHT
     world.load("c-1", name="Second")
     world.make_due()
     result = world.run()
@@ -267,7 +263,7 @@ def test_a_requeued_exhausted_create_ends_with_the_latest_body(world: World) -> 
         time.sleep(0.05)
     world.load("c-1", name="Second")
     with world.engine.begin() as conn:
-        requeue_store.requeue(conn, catalog.get_rule(conn, RULE), requeue_store.Selection(), "ops", utcnow())
+        requeue.requeue(conn, catalog.get_rule(conn, RULE), requeue.Selection(), "ops", utcnow())
     world.run()
     assert [r["name"] for r in world.target.records("contacts").values()] == ["Second"]
     assert world.ledger()["c-1"]["status"] == "delivered"
@@ -306,7 +302,7 @@ def test_an_unexpected_writer_exception_is_a_rule_fault_that_does_not_count_agai
         with world.engine.begin() as conn:  # one failure short of tripping (fail_max 3)
             target_id = catalog.get_rule(conn, RULE).target.id
             conn.execute(
-                breaker_states.insert().values(
+                breaker_states_table.insert().values(
                     connection_id=target_id, state="closed", fail_counter=2, success_counter=0
                 )
             )
@@ -315,7 +311,7 @@ def test_an_unexpected_writer_exception_is_a_rule_fault_that_does_not_count_agai
         reset_registry()
     assert result["state"] == "FAILED" and "RuntimeError: writer bug" in result["message"]
     with world.engine.connect() as conn:
-        state = conn.execute(sa.select(breaker_states)).one()
+        state = conn.execute(sa.select(breaker_states_table)).one()
     assert state.state == "closed"
     assert world.cursor() is None
 
@@ -335,8 +331,8 @@ def test_a_body_the_writer_cannot_encode_is_exhausted_at_once_and_the_rule_goes_
         world.load("c-2")
         with world.engine.begin() as conn:  # what `mirror load` refuses now, written by another program
             conn.execute(
-                mirror_records.update()
-                .where(mirror_records.c.external_id == "c-2")
+                mirror_records_table.update()
+                .where(mirror_records_table.c.external_id == "c-2")
                 .values(payload={"email": world.key("c-2"), "name": "Name c-2", "score": float("nan")})
             )
         result = world.run()
@@ -347,6 +343,6 @@ def test_a_body_the_writer_cannot_encode_is_exhausted_at_once_and_the_rule_goes_
         assert rows["c-1"]["status"] == rows["c-3"]["status"] == "delivered"
         assert world.target.count(world.key("c-2")) == 0
         with world.engine.connect() as conn:
-            assert conn.execute(sa.select(breaker_states.c.fail_counter)).scalar() in (None, 0)
+            assert conn.execute(sa.select(breaker_states_table.c.fail_counter)).scalar() in (None, 0)
     finally:
         db.dispose_engines()

@@ -74,9 +74,9 @@ def test_chains_of_two_rules_at_once_in_one_process_each_report_only_their_own(
         except BaseException as exc:
             errors.append(exc)
 
-    # With this thread's Prefect settings (the harness's API), as the worker's lanes have theirs.
+    # With this thread's Prefect settings (the harness's API), as the warm worker's threads have theirs.
     threads = [
-        threading.Thread(target=contextvars.copy_context().run, args=(run, rule), name=f"lane-{rule}")
+        threading.Thread(target=contextvars.copy_context().run, args=(run, rule), name=f"run-{rule}")
         for rule in (RULE, SECOND)
     ]
     for thread in threads:

@@ -12,8 +12,8 @@ import pytest
 import sqlalchemy as sa
 
 from delivery.clock import utcnow
-from delivery.store.mirror import content_hash, source_id
-from delivery.store.tables import mirror_records
+from delivery.store.mirror import record_digest, source_id
+from delivery.store.tables import mirror_records_table
 from tests.integration.world import World, email
 from tests.target_server import Answer, TargetServer
 
@@ -37,12 +37,12 @@ def _commit_late(world: World, external_id: str, changed_at: datetime) -> None:
     payload = _payload(external_id, f"Late {external_id}")
     with world.engine.begin() as conn:
         conn.execute(
-            mirror_records.insert().values(
+            mirror_records_table.insert().values(
                 source_id=source_id(conn, "shop"),
                 domain="contact",
                 external_id=external_id,
                 payload=payload,
-                content_hash=content_hash(payload, False),
+                content_hash=record_digest(payload, False),
                 deleted=False,
                 changed_at=changed_at,
                 created_at=utcnow(),
@@ -55,9 +55,9 @@ def _change_late(world: World, external_id: str, changed_at: datetime) -> None:
     payload = _payload(external_id, "changed late")
     with world.engine.begin() as conn:
         conn.execute(
-            mirror_records.update()
-            .where(mirror_records.c.external_id == external_id)
-            .values(payload=payload, content_hash=content_hash(payload, False), changed_at=changed_at)
+            mirror_records_table.update()
+            .where(mirror_records_table.c.external_id == external_id)
+            .values(payload=payload, content_hash=record_digest(payload, False), changed_at=changed_at)
         )
 
 

@@ -15,7 +15,7 @@ import yaml
 from rich.console import Console
 
 from delivery import db
-from delivery.store import ledger as ledger_store
+from delivery.store import ledger
 from playground.demo import DEMO_CONFIG
 from playground.sandbox import MAX_BODY_BYTES
 
@@ -71,7 +71,7 @@ def test_demo_runs_end_to_end_and_leaves_the_promised_ledger(
     engine = sa.create_engine(f"sqlite:///{workdir / 'delivery.db'}")
     try:
         with engine.connect() as conn:
-            rows = {row["external_id"]: row for row in ledger_store.ledger_rows(conn, RULE)}
+            rows = {row["external_id"]: row for row in ledger.ledger_rows(conn, RULE)}
     finally:
         engine.dispose()
         db.dispose_engines()

@@ -19,7 +19,7 @@ import flows.chain_reporting
 import flows.deliver_rule
 from delivery.clock import utcnow
 from delivery.store import chains
-from flows.alerts import automations
+from flows.automations import automations
 from flows.cli import app, main
 from tests.integration.world import World
 from tests.support.databases import unique

@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from delivery.chain import Chain
 from delivery.clock import utcnow
 from delivery.domain import Phase
-from delivery.store.tables import chains, ledger, rules
+from delivery.store.tables import chains_table, ledger_table, rules_table
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
 
@@ -126,7 +126,9 @@ def test_a_newer_chain_silent_past_its_wait_steps_is_not_handed_the_rule(world: 
     older, newer = _older_at_work_and_a_newer_chain(world)
     with world.engine.begin() as conn:
         conn.execute(
-            chains.update().where(chains.c.token == newer.token).values(heartbeat_at=utcnow() - timedelta(minutes=2))
+            chains_table.update()
+            .where(chains_table.c.token == newer.token)
+            .values(heartbeat_at=utcnow() - timedelta(minutes=2))
         )
     assert older.run_batch(Phase.SCAN).attempted == 5
     older.finish()
@@ -192,11 +194,12 @@ class _Contention:
         while not self._stop.is_set() and time.monotonic() < deadline:
             with self.world.engine.connect() as conn:
                 self.claimed = (
-                    self.claimed or conn.execute(sa.select(rules.c.chain_token).where(rules.c.name == RULE)).scalar()
+                    self.claimed
+                    or conn.execute(sa.select(rules_table.c.chain_token).where(rules_table.c.name == RULE)).scalar()
                 )
                 running = conn.execute(
-                    sa.select(chains.c.token, chains.c.flow_run_id).where(
-                        chains.c.ended_at.is_(None), chains.c.flow_run_id.is_not(None)
+                    sa.select(chains_table.c.token, chains_table.c.flow_run_id).where(
+                        chains_table.c.ended_at.is_(None), chains_table.c.flow_run_id.is_not(None)
                     )
                 ).all()
             for token, flow_run_id in running:
@@ -223,7 +226,7 @@ def _assert_the_chains_overlapped(world: World) -> list[Any]:
     least one job waited for, or took, the rule while the other chain held it). Chains run one
     after the other fail this: the later one starts after the earlier one ended."""
     with world.engine.connect() as conn:
-        runs = conn.execute(sa.select(chains).order_by(chains.c.started_at)).all()
+        runs = conn.execute(sa.select(chains_table).order_by(chains_table.c.started_at)).all()
     assert len(runs) == 2 and all(run.ended_at is not None for run in runs), runs
     for run, other in (runs, runs[::-1]):
         first_job = asyncio.run(_first_job_started(run.flow_run_id))
@@ -245,7 +248,7 @@ def test_two_delivery_runs_started_together_deliver_every_record_exactly_once(wo
         results = [run.communicate(timeout=300) for run in runs]
     assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in results]
     with world.engine.connect() as conn:
-        chain_runs = conn.execute(sa.select(chains).order_by(chains.c.started_at)).all()
+        chain_runs = conn.execute(sa.select(chains_table).order_by(chains_table.c.started_at)).all()
     assert len(chain_runs) == 2 and all(run.ended_at is not None for run in chain_runs), chain_runs
     older, newer = chain_runs
     assert newer.started_at < older.ended_at, f"the chains ran one after the other: {chain_runs}"
@@ -372,7 +375,9 @@ def test_tick_judges_a_silent_chain_dead_cancels_its_run_and_its_late_job_writes
     assert dead.run_batch(Phase.SCAN).attempted == 5
     with world.engine.begin() as conn:  # ...then it went silent for 20 minutes
         conn.execute(
-            chains.update().where(chains.c.token == dead.token).values(heartbeat_at=utcnow() - timedelta(minutes=20))
+            chains_table.update()
+            .where(chains_table.c.token == dead.token)
+            .values(heartbeat_at=utcnow() - timedelta(minutes=20))
         )
 
     state = _tick()
@@ -381,7 +386,7 @@ def test_tick_judges_a_silent_chain_dead_cancels_its_run_and_its_late_job_writes
     assert asyncio.run(_state_of(flow_run_id)) == "CANCELLING"
     assert world.rule_row()["chain_token"] != dead.token
     with world.engine.connect() as conn:
-        old = conn.execute(sa.select(chains).where(chains.c.token == dead.token)).one()
+        old = conn.execute(sa.select(chains_table).where(chains_table.c.token == dead.token)).one()
     assert old.ended_by == "superseded" and "judged dead" in old.message
     assert {r["status"] for r in world.ledger().values()} == {"delivered"} and len(world.ledger()) == 10
 
@@ -397,7 +402,9 @@ def test_tick_threshold_is_configurable(world: World) -> None:
     chain = Chain(world.engine, RULE)
     with world.engine.begin() as conn:
         conn.execute(
-            chains.update().where(chains.c.token == chain.token).values(heartbeat_at=utcnow() - timedelta(minutes=3))
+            chains_table.update()
+            .where(chains_table.c.token == chain.token)
+            .values(heartbeat_at=utcnow() - timedelta(minutes=3))
         )
     assert "1 alive" in _tick().message  # default 15 minutes: still alive
     assert "1 dead replaced" in _tick(dead_after_minutes=2).message
@@ -410,7 +417,7 @@ def _wait_for_rows(world: World, n: int, proc: subprocess.Popen[str], timeout: f
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with world.engine.connect() as conn:
-            if conn.execute(sa.select(sa.func.count()).select_from(ledger)).scalar_one() >= n:
+            if conn.execute(sa.select(sa.func.count()).select_from(ledger_table)).scalar_one() >= n:
                 return
         if proc.poll() is not None:
             raise AssertionError(f"the run ended early: {proc.communicate()[1][-2000:]}")

@@ -17,8 +17,7 @@ from delivery import chain as chain_module
 from delivery.clock import utcnow
 from delivery.domain import Candidate, ChainEnd, ConnectionStatus
 from delivery.errors import LedgerRowConflict, MissingWriter, RuleFault, UnexpectedCandidate, UnsupportedDeliveryVerb
-from delivery.store import catalog
-from delivery.store import ledger as ledger_store
+from delivery.store import catalog, ledger
 from tests.integration.world import RULE, World
 from tests.support.chains import drive
 from tests.support.faults import close_route, open_breaker, scan_then_race
@@ -125,11 +124,11 @@ EXCEPTIONS: dict[str, tuple[Callable[[World, pytest.MonkeyPatch], None], type[Ru
     "no writer for the driver": (lambda world, _: world.set_driver("soap"), MissingWriter),
     "the writer lacks the verb": (lambda world, _: world.set_driver("rest-create-only"), UnsupportedDeliveryVerb),
     "a ledger row where the scan said none": (
-        lambda _, mp: mp.setattr(ledger_store, "scan_page", scan_then_race(ledger_store.scan_page)),
+        lambda _, mp: mp.setattr(ledger, "scan_page", scan_then_race(ledger.scan_page)),
         LedgerRowConflict,
     ),
     "a candidate the scan should never return": (
-        lambda _, mp: mp.setattr(ledger_store, "scan_page", _leaky_scan(ledger_store.scan_page)),
+        lambda _, mp: mp.setattr(ledger, "scan_page", _leaky_scan(ledger.scan_page)),
         UnexpectedCandidate,
     ),
 }

@@ -41,10 +41,9 @@ from delivery.apply import apply_config
 from delivery.clock import utcnow
 from delivery.config import parse_config
 from delivery.domain import LedgerStatus, MirrorInput
-from delivery.store import ledger as ledger_store
-from delivery.store import requeue as requeue_store
+from delivery.store import ledger, requeue
 from delivery.store.mirror import load_records
-from delivery.store.tables import breaker_states, ledger, mirror_records
+from delivery.store.tables import breaker_states_table, ledger_table, mirror_records_table
 from tests.support.chains import drive
 from tests.target_server import Answer, TargetServer
 
@@ -142,7 +141,7 @@ def config(
 @contextlib.contextmanager
 def settles_die_after(count: int) -> Iterator[None]:
     """The `count` settles after this pass; the next one dies before writing."""
-    real = ledger_store.settle
+    real = ledger.settle
     lock = threading.Lock()
     left = [count]
 
@@ -156,14 +155,14 @@ def settles_die_after(count: int) -> Iterator[None]:
     def settle_many(conn: Any, rule: Any, settles: Any, now: Any) -> list[bool]:
         return [settle(conn, rule, candidate, outcome, now) for candidate, outcome in settles]
 
-    real_many = ledger_store.settle_many
-    ledger_store.settle = settle  # type: ignore[assignment]
-    ledger_store.settle_many = settle_many  # type: ignore[assignment]
+    real_many = ledger.settle_many
+    ledger.settle = settle  # type: ignore[assignment]
+    ledger.settle_many = settle_many  # type: ignore[assignment]
     try:
         yield
     finally:
-        ledger_store.settle = real  # type: ignore[assignment]
-        ledger_store.settle_many = real_many  # type: ignore[assignment]
+        ledger.settle = real  # type: ignore[assignment]
+        ledger.settle_many = real_many  # type: ignore[assignment]
 
 
 def histories(template: Path, workdir: Path, target: CountingTarget) -> type[RuleBasedStateMachine]:
@@ -278,9 +277,7 @@ def histories(template: Path, workdir: Path, target: CountingTarget) -> type[Rul
         @rule()
         def requeue(self) -> None:
             with self.engine.begin() as conn:
-                requeue_store.requeue_or_preview(
-                    conn, RULE, requeue_store.Selection.of(), "history", utcnow(), dry_run=False
-                )
+                requeue.requeue_or_preview(conn, RULE, requeue.Selection.of(), "history", utcnow(), dry_run=False)
 
         def make_due(self) -> None:
             """Time passes: longer than any retry step. So a write answered late has landed by then
@@ -289,8 +286,8 @@ def histories(template: Path, workdir: Path, target: CountingTarget) -> type[Rul
             target.wait_quiet()
             with self.engine.begin() as conn:
                 due = utcnow() - timedelta(seconds=1)
-                conn.execute(ledger.update().where(ledger.c.status == "failed").values(next_attempt_at=due))
-                conn.execute(breaker_states.update().values(opened_at=utcnow() - timedelta(hours=1)))
+                conn.execute(ledger_table.update().where(ledger_table.c.status == "failed").values(next_attempt_at=due))
+                conn.execute(breaker_states_table.update().values(opened_at=utcnow() - timedelta(hours=1)))
 
         # -- what must hold ------------------------------------------------------------------------
 
@@ -299,8 +296,8 @@ def histories(template: Path, workdir: Path, target: CountingTarget) -> type[Rul
 
         def rows(self) -> dict[str, dict[str, Any]]:
             with self.engine.connect() as conn:
-                query = sa.select(mirror_records.c.external_id, ledger).join(
-                    mirror_records, mirror_records.c.id == ledger.c.record_id
+                query = sa.select(mirror_records_table.c.external_id, ledger_table).join(
+                    mirror_records_table, mirror_records_table.c.id == ledger_table.c.record_id
                 )
                 return {row.external_id: row._asdict() for row in conn.execute(query)}
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from delivery import policy
+from delivery import decisions
 from delivery.clock import utcnow
 from delivery.domain import Rule
 from delivery.errors import LedgerRowConflict
-from delivery.store import catalog
-from delivery.store import ledger as ledger_store
-from delivery.store.tables import ledger
+from delivery.store import catalog, ledger
+from delivery.store.tables import ledger_table
 from tests.integration.world import RULE, World
 from tests.support.chains import drive
 from tests.target_server import TargetServer
@@ -35,21 +34,23 @@ def test_a_groups_outcomes_in_one_statement_leave_a_row_a_requeue_moved_to_the_r
     world.load(*ids, name="changed")
     rule = _rule(engine)
     with engine.connect() as conn:
-        candidates = ledger_store.scan_page(conn, rule, None, 10)
+        candidates = ledger.scan_page(conn, rule, None, 10)
     assert [c.record.external_id for c in candidates] == ids
     moved = candidates[1].ledger
     assert moved is not None
     with engine.begin() as conn:  # a requeue's write: the row's version moves
-        conn.execute(ledger.update().where(ledger.c.id == moved.id).values(version=ledger.c.version + 1))
+        conn.execute(
+            ledger_table.update().where(ledger_table.c.id == moved.id).values(version=ledger_table.c.version + 1)
+        )
     outcomes = [
-        policy.delivered(c.ledger, c.ledger.remote_id if c.ledger else None, f"digest-{i}")
+        decisions.delivered(c.ledger, c.ledger.remote_id if c.ledger else None, f"digest-{i}")
         for i, c in enumerate(candidates)
     ]
     with engine.begin() as conn:
-        written = ledger_store.settle_many(conn, rule, list(zip(candidates, outcomes, strict=True)), utcnow())
+        written = ledger.settle_many(conn, rule, list(zip(candidates, outcomes, strict=True)), utcnow())
     assert written == [True, False, True, True]
     with engine.connect() as conn:
-        rows = {row.id: row for row in conn.execute(sa.select(ledger))}
+        rows = {row.id: row for row in conn.execute(sa.select(ledger_table))}
     fingerprints = {c.record.external_id: rows[c.ledger.id].fingerprint for c in candidates if c.ledger}
     assert fingerprints["a"] == "digest-0" and fingerprints["c"] == "digest-2" and fingerprints["d"] == "digest-3"
     assert fingerprints["b"] != "digest-1"  # the requeue's row, untouched
@@ -64,20 +65,20 @@ def test_a_windows_create_intents_in_one_statement_name_the_conflicting_record(
     world.load(*ids)
     rule = _rule(engine)
     with engine.connect() as conn:
-        candidates = ledger_store.scan_page(conn, rule, None, 10)
+        candidates = ledger.scan_page(conn, rule, None, 10)
     now = utcnow()
     with engine.begin() as conn:  # a row the scan did not see
-        ledger_store.record_create_intent(conn, rule, candidates[conflict], "elsewhere", now)
+        ledger.record_create_intent(conn, rule, candidates[conflict], "elsewhere", now)
     creates = [(c, f"digest-{i}", False) for i, c in enumerate(candidates)]
     with pytest.raises(LedgerRowConflict, match=repr(ids[conflict])), engine.begin() as conn:
-        ledger_store.record_create_intents(conn, rule, creates, now)
+        ledger.record_create_intents(conn, rule, creates, now)
     assert set(world.ledger()) == {ids[conflict]}  # nothing of the window was written
 
     with engine.begin() as conn:
-        conn.execute(ledger.delete())
+        conn.execute(ledger_table.delete())
     with engine.begin() as conn:
-        made = ledger_store.record_create_intents(conn, rule, creates, now)
-    assert [row.create_fingerprint if row else None for row in made] == ["digest-0", "digest-1", "digest-2"]
+        made = ledger.record_create_intents(conn, rule, creates, now)
+    assert [row.create_digest if row else None for row in made] == ["digest-0", "digest-1", "digest-2"]
     with engine.connect() as conn:
-        stored = {row.id: row.create_fingerprint for row in conn.execute(sa.select(ledger))}
-    assert {row.id: row.create_fingerprint for row in made if row} == stored
+        stored = {row.id: row.create_fingerprint for row in conn.execute(sa.select(ledger_table))}
+    assert {row.id: row.create_digest for row in made if row} == stored

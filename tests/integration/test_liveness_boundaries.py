@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from delivery import liveness
 from delivery.store import catalog, chains
-from delivery.store.tables import chains as chains_table
+from delivery.store.tables import chains_table
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
 
@@ -61,4 +61,4 @@ def test_the_handover_finds_a_waiter_alive_at_its_window_and_not_past_it(
     waiter = _chain(world, NOW - timedelta(minutes=1), NOW - window - age)
     with world.engine.connect() as conn:
         newer = liveness.newer_waiting(conn, _rule_id(world), holder, holder_started, NOW)
-    assert (newer is not None and newer["token"] == waiter) is handed_over
+    assert (newer is not None and newer.token == waiter) is handed_over

@@ -216,7 +216,7 @@ def test_with_a_repossessor_a_dead_holder_whose_release_fails_is_not_reset(
         _release(others.pop())  # what the repossessor does once the lease expires
         assert waiter.acquired.wait(15), waiter.error
     with world.engine.connect() as conn:
-        dead = conn.execute(sa.select(tables.chains).where(tables.chains.c.token == token)).one()
+        dead = conn.execute(sa.select(tables.chains_table).where(tables.chains_table.c.token == token)).one()
     assert dead.ended_by == "superseded" and "left to expire" in dead.message
 
 

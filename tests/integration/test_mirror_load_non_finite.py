@@ -13,7 +13,7 @@ from delivery.config import parse_config
 from delivery.domain import MirrorInput
 from delivery.errors import InputError, MirrorLoadError
 from delivery.store.mirror import CHUNK, MirrorInputError, load_records
-from delivery.store.tables import mirror_records
+from delivery.store.tables import mirror_records_table
 
 CONFIG = """
 connections:
@@ -23,7 +23,7 @@ connections:
 
 def rows(engine: sa.Engine) -> list[dict[str, Any]]:
     with engine.connect() as conn:
-        return [r._asdict() for r in conn.execute(sa.select(mirror_records).order_by(mirror_records.c.id))]
+        return [r._asdict() for r in conn.execute(sa.select(mirror_records_table).order_by(mirror_records_table.c.id))]
 
 
 def load(engine: sa.Engine, items: list[MirrorInput]) -> None:

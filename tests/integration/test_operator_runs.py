@@ -28,7 +28,7 @@ from delivery.errors import MissingWriter, TargetUnavailable
 from delivery.liveness import LEASE_SECONDS
 from delivery.store import catalog, chains
 from delivery.store.breaker import DatabaseBreakerStorage
-from delivery.store.tables import breaker_states, connections, rules
+from delivery.store.tables import breaker_states_table, chains_table, connections_table, rules_table
 from flows.chain_reporting import records_artifact_key
 from flows.cli import app
 from flows.deliver_rule import deliver_rule, fault_state_name, launched
@@ -52,7 +52,9 @@ def _set(engine: sa.Engine, table: sa.Table, where: Any, **values: Any) -> None:
 
 def _crm_id(world: World) -> int:
     with world.engine.connect() as conn:
-        return int(conn.execute(sa.select(connections.c.id).where(connections.c.name == "crm")).scalar_one())
+        return int(
+            conn.execute(sa.select(connections_table.c.id).where(connections_table.c.name == "crm")).scalar_one()
+        )
 
 
 # -- 1. states that tell apart -----------------------------------------------------------------
@@ -68,16 +70,22 @@ def test_each_way_a_chain_ends_completed_has_a_state_name_of_its_own(world: Worl
 
     assert ended("caught_up") == ("COMPLETED", "CaughtUp")
 
-    _set(world.engine, connections, connections.c.name == "crm", status="error")
+    _set(world.engine, connections_table, connections_table.c.name == "crm", status="error")
     assert ended("route_closed") == ("COMPLETED", "RouteClosed")
-    _set(world.engine, connections, connections.c.name == "crm", status="active")
+    _set(world.engine, connections_table, connections_table.c.name == "crm", status="active")
 
-    _set(world.engine, rules, rules.c.name == RULE, enabled=False)
+    _set(world.engine, rules_table, rules_table.c.name == RULE, enabled=False)
     assert ended("disabled") == ("COMPLETED", "Disabled")
-    _set(world.engine, rules, rules.c.name == RULE, enabled=True)
+    _set(world.engine, rules_table, rules_table.c.name == RULE, enabled=True)
 
     crm = _crm_id(world)
-    _set(world.engine, breaker_states, breaker_states.c.connection_id == crm, state="open", opened_at=utcnow())
+    _set(
+        world.engine,
+        breaker_states_table,
+        breaker_states_table.c.connection_id == crm,
+        state="open",
+        opened_at=utcnow(),
+    )
     assert ended("breaker_open") == ("COMPLETED", "BreakerOpen")
 
     # A launch the tick judged dead before it ran: the run adopts a chain that has ended.
@@ -236,7 +244,7 @@ def test_the_records_artifact_lists_what_this_chain_left_and_its_requeue_command
     (command,) = [line for line in markdown.splitlines() if line.startswith("delivery requeue ")]
     with world.engine.connect() as conn:
         started = conn.execute(
-            sa.select(chains.chains.c.started_at).where(chains.chains.c.flow_run_id == second["flow_run_id"])
+            sa.select(chains_table.c.started_at).where(chains_table.c.flow_run_id == second["flow_run_id"])
         ).scalar_one()
     assert shlex.split(command) == [
         "delivery", "requeue", RULE,
@@ -322,7 +330,12 @@ def test_a_breaker_trip_mid_chain_is_in_the_runs_log_and_each_change_is_emitted_
 
     # The cooldown over, one trial call goes through and closes it.
     crm = _crm_id(world)
-    _set(world.engine, breaker_states, breaker_states.c.connection_id == crm, opened_at=utcnow() - timedelta(hours=1))
+    _set(
+        world.engine,
+        breaker_states_table,
+        breaker_states_table.c.connection_id == crm,
+        opened_at=utcnow() - timedelta(hours=1),
+    )
     world.target.down = False
     world.make_due()
     recovered = world.run()

@@ -17,8 +17,8 @@ from prefect import flow
 
 from delivery.clock import utcnow
 from delivery.errors import UnknownName
-from delivery.store import ledger as ledger_store
-from delivery.store.tables import ledger
+from delivery.store import ledger
+from delivery.store.tables import ledger_table
 from flows import parked_artifact
 from flows.parked_artifact import parked_artifact_key, parked_markdown, publish_parked_set
 from flows.requeue import delivery_requeue
@@ -71,7 +71,7 @@ def park_many(world: World, count: int, status: str, start: datetime, prefix: st
             }
         )
     with world.engine.begin() as conn:
-        conn.execute(ledger.insert(), rows)
+        conn.execute(ledger_table.insert(), rows)
 
 
 def test_nothing_parked_says_so_in_one_sentence(world: World) -> None:
@@ -274,9 +274,9 @@ def test_the_parked_set_is_read_by_index_seeks(engine: sa.Engine) -> None:
             captured.append(query)
             return []
 
-    ledger_store.parked_counts(Spy(), 1)  # type: ignore[arg-type]
-    ledger_store.parked_latest(Spy(), 1, 200)  # type: ignore[arg-type]
-    ledger_store.parked_errors(Spy(), 1, 10_000)  # type: ignore[arg-type]
+    ledger.parked_counts(Spy(), 1)  # type: ignore[arg-type]
+    ledger.parked_latest(Spy(), 1, 200)  # type: ignore[arg-type]
+    ledger.parked_errors(Spy(), 1, 10_000)  # type: ignore[arg-type]
     counts, latest_rows, errors = (_plan(engine, q) for q in captured)
     for plan in (latest_rows, errors):
         assert plan.count("ix_ledger_rule_id_status_updated_at_id") == 3, plan  # one seek per status
@@ -289,9 +289,9 @@ def test_the_parked_set_is_read_by_index_seeks(engine: sa.Engine) -> None:
 def test_the_index_serves_a_backward_seek_within_one_status(engine: sa.Engine) -> None:
     """Each status's part reads its rows in index order: no sort of the rule's parked rows."""
     query = (
-        sa.select(ledger.c.id)
-        .where(ledger.c.rule_id == 1, ledger.c.status == "exhausted")
-        .order_by(ledger.c.updated_at.desc(), ledger.c.id.desc())
+        sa.select(ledger_table.c.id)
+        .where(ledger_table.c.rule_id == 1, ledger_table.c.status == "exhausted")
+        .order_by(ledger_table.c.updated_at.desc(), ledger_table.c.id.desc())
         .limit(200)
     )
     plan = _plan(engine, query)

@@ -36,7 +36,13 @@ from delivery.preview import (
     preview,
 )
 from delivery.store import catalog
-from delivery.store.tables import breaker_states, ledger, metadata, mirror_records, target_traffic
+from delivery.store.tables import (
+    breaker_states_table,
+    ledger_table,
+    metadata,
+    mirror_records_table,
+    target_traffic_table,
+)
 from flows.cli import preview as cli_preview
 from flows.preview import artifact_key, delivery_preview
 from tests.integration.world import RULE, World
@@ -67,8 +73,8 @@ def due(world: World, *external_ids: str) -> None:
     with world.engine.begin() as conn:
         for number, record_id in enumerate(record_ids):
             conn.execute(
-                ledger.update()
-                .where(ledger.c.record_id == record_id)
+                ledger_table.update()
+                .where(ledger_table.c.record_id == record_id)
                 .values(next_attempt_at=now - timedelta(seconds=60 - number))
             )
 
@@ -171,7 +177,7 @@ def test_every_action_and_reason_drain_rows_first(every_case: World) -> None:
     assert rows["ex"].status is LedgerStatus.EXHAUSTED
     with every_case.engine.connect() as conn:
         changed_at = conn.execute(
-            sa.select(mirror_records.c.changed_at).where(mirror_records.c.external_id == "new")
+            sa.select(mirror_records_table.c.changed_at).where(mirror_records_table.c.external_id == "new")
         ).scalar_one()
     assert rows["new"].changed_at == changed_at
     assert result.cursor == every_case.cursor()
@@ -294,8 +300,8 @@ def _pause_target(world: World) -> None:
     with world.engine.begin() as conn:
         target_id = catalog.get_rule(conn, RULE).target.id
         conn.execute(
-            target_traffic.update()
-            .where(target_traffic.c.connection_id == target_id)
+            target_traffic_table.update()
+            .where(target_traffic_table.c.connection_id == target_id)
             .values(paused_until=utcnow() + timedelta(seconds=300), pause_reason="HTTP 429 with Retry-After 300 s")
         )
 
@@ -355,7 +361,7 @@ def test_a_chain_that_would_not_start_says_why_in_a_line_and_still_lists_the_rec
 def test_a_breaker_whose_cooldown_has_passed_does_not_hold_the_chain(world: World) -> None:
     open_breaker(world)
     with world.engine.begin() as conn:
-        conn.execute(breaker_states.update().values(opened_at=utcnow() - timedelta(seconds=61)))
+        conn.execute(breaker_states_table.update().values(opened_at=utcnow() - timedelta(seconds=61)))
     assert preview(world.engine, RULE).hold is None
 
 
@@ -401,11 +407,11 @@ def test_the_transaction_refuses_writes(world: World) -> None:
     from delivery.store.preview import read_only_snapshot
 
     with read_only_snapshot(world.engine) as conn, pytest.raises(sa.exc.DBAPIError):
-        conn.execute(ledger.delete())
+        conn.execute(ledger_table.delete())
     # The pooled connection writes again for its next user.
     world.load("after")
     with world.engine.begin() as conn:
-        conn.execute(mirror_records.update().values(domain="contact"))
+        conn.execute(mirror_records_table.update().values(domain="contact"))
 
 
 def test_a_connection_the_caller_holds_is_read_in_its_own_transaction(world: World) -> None:

@@ -17,7 +17,7 @@ from urllib.parse import quote, quote_plus
 import pytest
 import sqlalchemy as sa
 
-from delivery.store.tables import chains, ledger
+from delivery.store.tables import chains_table, ledger_table
 from flows.chain_reporting import records_artifact_key
 from tests.integration.runs import run_artifacts, run_logs
 from tests.integration.world import RULE, World
@@ -75,7 +75,7 @@ def leaks(text: str, token: str, prefix: str) -> list[str]:
 
 def everything_written(engine: sa.Engine) -> str:
     with engine.connect() as conn:
-        rows = [*conn.execute(sa.select(ledger)), *conn.execute(sa.select(chains))]
+        rows = [*conn.execute(sa.select(ledger_table)), *conn.execute(sa.select(chains_table))]
     return "\n".join(repr(tuple(row)) for row in rows)
 
 

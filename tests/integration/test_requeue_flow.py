@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 
 from delivery.domain import LedgerStatus
 from delivery.errors import InputError
-from delivery.store import requeue as requeue_store
-from delivery.store.tables import requeues
+from delivery.store import requeue
+from delivery.store.tables import requeues_table
 from flows.cli import app
 from flows.parked_artifact import parked_artifact_key
 from flows.requeue import ANY_TIME, DEFAULT_STATUSES, artifact_key, delivery_requeue, run_name
@@ -50,7 +50,7 @@ def rows(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
 
 def audit(engine: sa.Engine) -> list[dict[str, Any]]:
     with engine.connect() as conn:
-        return [r._asdict() for r in conn.execute(sa.select(requeues).order_by(requeues.c.id))]
+        return [r._asdict() for r in conn.execute(sa.select(requeues_table).order_by(requeues_table.c.id))]
 
 
 def artifact(flow_run_id: str, key: str) -> tuple[list[dict[str, Any]], str]:
@@ -170,10 +170,10 @@ def test_a_status_that_cannot_be_requeued_is_refused(rows: World) -> None:
     # ...with the selection's own check, as the CLI's is.
     for status in ("delivered", "suppressed"):
         with pytest.raises(InputError, match="only exhausted, remote_gone and failed rows can be requeued"):
-            requeue_store.Selection.of([status])
+            requeue.Selection.of([status])
     with pytest.raises(InputError, match="'parked' is not a ledger status"):
-        requeue_store.Selection.of(["parked"])
-    assert requeue_store.Selection.of(None).statuses == (LedgerStatus.EXHAUSTED, LedgerStatus.REMOTE_GONE)
+        requeue.Selection.of(["parked"])
+    assert requeue.Selection.of(None).statuses == (LedgerStatus.EXHAUSTED, LedgerStatus.REMOTE_GONE)
     assert snapshot(rows.engine) == before and audit(rows.engine) == []
 
 
@@ -224,16 +224,16 @@ def test_a_nul_in_a_parameter_fails_the_run_naming_it(rows: World, parameters: d
 
 def test_a_lone_surrogate_is_refused_by_the_shared_checks() -> None:
     """What an undecodable byte of a command-line argument becomes: no database encodes it."""
-    with pytest.raises(requeue_store.RequeueInputError, match="lone surrogate") as caught:
-        requeue_store.Selection.of(None, ["\udcff"])
+    with pytest.raises(requeue.RequeueInputError, match="lone surrogate") as caught:
+        requeue.Selection.of(None, ["\udcff"])
     assert caught.value.parameter == "ids"
-    with pytest.raises(requeue_store.RequeueInputError, match="lone surrogate") as caught:
-        requeue_store.check_request(RULE, "\udcff")
+    with pytest.raises(requeue.RequeueInputError, match="lone surrogate") as caught:
+        requeue.check_request(RULE, "\udcff")
     assert caught.value.parameter == "by"
 
 
 def test_the_audit_column_and_the_check_agree() -> None:
-    assert requeues.c.requested_by.type.length == requeue_store.REQUESTED_BY_MAX  # type: ignore[attr-defined]
+    assert requeues_table.c.requested_by.type.length == requeue.REQUESTED_BY_MAX  # type: ignore[attr-defined]
 
 
 # -- the Run form ---------------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def test_the_run_form_describes_every_parameter_and_offers_plain_controls(prefec
 
 def test_the_forms_default_statuses_are_what_a_requeue_takes_when_none_is_named() -> None:
     default = inspect.signature(delivery_requeue.fn).parameters["statuses"].default
-    assert default == DEFAULT_STATUSES == tuple(s.value for s in requeue_store.DEFAULT_STATUSES)
+    assert default == DEFAULT_STATUSES == tuple(s.value for s in requeue.DEFAULT_STATUSES)
     assert inspect.signature(delivery_requeue.fn).parameters["since"].default == ANY_TIME
 
 

@@ -17,9 +17,8 @@ from typer.testing import CliRunner
 
 from delivery.clock import utcnow
 from delivery.domain import LedgerStatus
-from delivery.store import catalog
-from delivery.store import requeue as requeue_store
-from delivery.store.tables import connections, requeues, rules
+from delivery.store import catalog, requeue
+from delivery.store.tables import connections_table, requeues_table, rules_table
 from flows.cli import app, main
 from tests.integration.world import RULE, World
 from tests.support.ledger import park, snapshot
@@ -60,7 +59,7 @@ def refused(monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
 
 def history_count(engine: sa.Engine) -> int:
     with engine.connect() as conn:
-        return int(conn.execute(sa.select(sa.func.count()).select_from(requeues)).scalar_one())
+        return int(conn.execute(sa.select(sa.func.count()).select_from(requeues_table)).scalar_one())
 
 
 def posts_for(target: TargetServer, key: str) -> list[str]:
@@ -124,16 +123,14 @@ def test_requeue_through_the_api_puts_parked_rows_back_and_the_next_chain_delive
     before = utcnow()
     with world.engine.begin() as conn:
         rule = catalog.get_rule(conn, RULE)
-        moved = requeue_store.requeue(
-            conn, rule, requeue_store.Selection(statuses=(LedgerStatus.FAILED,)), "alice", utcnow()
-        )
+        moved = requeue.requeue(conn, rule, requeue.Selection(statuses=(LedgerStatus.FAILED,)), "alice", utcnow())
     assert [r["external_id"] for r in moved] == ["fail"]
     assert_requeued(world, "fail", before)
     assert world.full_ledger_row("ex")["status"] == "exhausted"
 
     with world.engine.begin() as conn:
         rule = catalog.get_rule(conn, RULE)
-        moved = requeue_store.requeue(conn, rule, requeue_store.Selection(), "bob", utcnow())
+        moved = requeue.requeue(conn, rule, requeue.Selection(), "bob", utcnow())
     # Default statuses: the parked ones only.
     assert sorted(r["external_id"] for r in moved) == ["ex", "gone"]
     assert_requeued(world, "ex", before)
@@ -142,7 +139,7 @@ def test_requeue_through_the_api_puts_parked_rows_back_and_the_next_chain_delive
     assert "requeued by bob" in gone["last_error"] and "remote_gone" in gone["last_error"]
 
     with world.engine.connect() as conn:
-        history = requeue_store.history(conn, RULE)
+        history = requeue.list_requeues(conn, RULE)
     assert [(h["requested_by"], h["count"]) for h in history] == [("bob", 2), ("alice", 1)]
 
     assert_next_chain_delivers_all_three(world, gone_remote)
@@ -233,7 +230,7 @@ def test_requeue_selecting_nothing_changes_nothing_and_records_nothing(rows: Wor
     before = snapshot(rows.engine)
     with rows.engine.begin() as conn:
         rule = catalog.get_rule(conn, RULE)
-        moved = requeue_store.requeue(conn, rule, requeue_store.Selection(external_ids=("nobody",)), "x", utcnow())
+        moved = requeue.requeue(conn, rule, requeue.Selection(external_ids=("nobody",)), "x", utcnow())
     assert moved == []
     assert cli_json("requeue", RULE, "--id", "nobody")["count"] == 0
     assert snapshot(rows.engine) == before and history_count(rows.engine) == 0
@@ -353,7 +350,7 @@ def test_status_of_a_busy_rule_with_a_tripped_breaker(world: World) -> None:
     assert row["due_retries"] == 3
 
     with world.engine.begin() as conn:
-        conn.execute(connections.update().where(connections.c.name == "crm").values(status="error"))
+        conn.execute(connections_table.update().where(connections_table.c.name == "crm").values(status="error"))
     [row] = cli_json("status")
     assert row["route_open"] is False
     assert "crm" in row["route"] and "error" in row["route"] and "target" in row["route"]
@@ -377,7 +374,9 @@ def test_status_shows_no_lag_for_changes_delivered_beyond_a_cursor_that_did_not_
     world.load("a", "b")
     world.run()
     with world.engine.begin() as conn:
-        conn.execute(rules.update().where(rules.c.name == RULE).values(cursor_changed_at=None, cursor_record_id=None))
+        conn.execute(
+            rules_table.update().where(rules_table.c.name == RULE).values(cursor_changed_at=None, cursor_record_id=None)
+        )
     assert world.run()["ended_by"] == "caught_up"
     [row] = cli_json("status")
     assert row["counts"]["delivered"] == 2

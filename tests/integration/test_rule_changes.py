@@ -18,10 +18,16 @@ from delivery.clock import utcnow
 from delivery.config import parse_config
 from delivery.domain import ChainEnd, MirrorInput, Phase
 from delivery.errors import ConfigError
-from delivery.store import catalog
-from delivery.store import chains as chains_store
+from delivery.store import catalog, chains
 from delivery.store.mirror import load_records
-from delivery.store.tables import chains, connections, ledger, mirror_records, retired_ledger_rows, rules
+from delivery.store.tables import (
+    chains_table,
+    connections_table,
+    ledger_table,
+    mirror_records_table,
+    retired_ledger_rows_table,
+    rules_table,
+)
 from tests.integration.locks import wait_for_a_lock_wait
 from tests.integration.world import RULE, World, email
 from tests.target_server import Answer, TargetServer
@@ -57,14 +63,14 @@ def rows(engine: sa.Engine, table: sa.Table) -> list[dict[str, Any]]:
 
 def connection_id(engine: sa.Engine, name: str) -> int:
     with engine.connect() as conn:
-        return int(conn.execute(sa.select(connections.c.id).where(connections.c.name == name)).scalar_one())
+        return int(conn.execute(sa.select(connections_table.c.id).where(connections_table.c.name == name)).scalar_one())
 
 
 def ledger_sources(engine: sa.Engine) -> dict[str, int]:
     """external id -> source id of every ledger row's record."""
     with engine.connect() as conn:
-        query = sa.select(mirror_records.c.external_id, mirror_records.c.source_id).join(
-            ledger, ledger.c.record_id == mirror_records.c.id
+        query = sa.select(mirror_records_table.c.external_id, mirror_records_table.c.source_id).join(
+            ledger_table, ledger_table.c.record_id == mirror_records_table.c.id
         )
         return {row.external_id: row.source_id for row in conn.execute(query)}
 
@@ -102,7 +108,7 @@ def test_a_rule_moved_to_a_new_source_retires_the_old_rows_and_delivers_the_new_
     assert [r.as_json() for r in report.retired] == [
         {"rule": RULE, "rows": 2, "statuses": {"delivered": 1, "failed": 1}, "reason": MOVED}
     ]
-    retired = rows(world.engine, retired_ledger_rows)
+    retired = rows(world.engine, retired_ledger_rows_table)
     assert {(r["external_id"], r["source_id"], r["domain"], r["status"]) for r in retired} == {
         ("c-1", shop, "contact", "failed"),
         ("c-2", shop, "contact", "delivered"),
@@ -114,7 +120,7 @@ def test_a_rule_moved_to_a_new_source_retires_the_old_rows_and_delivers_the_new_
     # Re-applying the same file is a no-op: nothing more is retired, the epoch stays.
     again = apply(world.engine, moved_to_shop2(world))
     assert again.retired == [] and again.updated == []
-    assert len(rows(world.engine, retired_ledger_rows)) == 2
+    assert len(rows(world.engine, retired_ledger_rows_table)) == 2
     assert set(ledger_sources(world.engine)) == {"c-1", "c-3"}
     assert world.rule_row()["key_epoch"] == 1
 
@@ -133,7 +139,7 @@ def test_the_new_sources_record_does_not_send_the_old_records_idempotency_key(pr
     # and the new source's c-1 would have been "delivered" into it.
     stored = sorted(r["name"] for r in world.target.records("contacts").values())
     assert stored == ["Name c-1", "shop2 c-1"]
-    assert world.ledger()["c-1"]["remote_id"] != rows(world.engine, retired_ledger_rows)[0]["remote_id"]
+    assert world.ledger()["c-1"]["remote_id"] != rows(world.engine, retired_ledger_rows_table)[0]["remote_id"]
 
 
 def test_a_rule_moved_to_another_target_creates_there_instead_of_patching_old_remote_ids(
@@ -164,7 +170,7 @@ def test_a_domain_change_retires_every_status_and_resets_the_cursor(world: World
         now = utcnow()
         for name, status in (("a", "delivered"), ("b", "exhausted"), ("c", "remote_gone")):
             conn.execute(
-                ledger.insert().values(
+                ledger_table.insert().values(
                     rule_id=rule_id,
                     record_id=ids[name],
                     status=status,
@@ -176,13 +182,13 @@ def test_a_domain_change_retires_every_status_and_resets_the_cursor(world: World
                     updated_at=now,
                 )
             )
-        conn.execute(rules.update().values(cursor_changed_at=now, cursor_record_id=ids["c"], key_epoch=4))
+        conn.execute(rules_table.update().values(cursor_changed_at=now, cursor_record_id=ids["c"], key_epoch=4))
     report = apply(world.engine, world.config(rule={"domain": "lead"}))
     (retirement,) = report.retired
     assert retirement.rows == 3 and retirement.statuses == {"delivered": 1, "exhausted": 1, "remote_gone": 1}
     assert retirement.reason == "rule source/domain/target changed from shop/contact -> crm to shop/lead -> crm"
-    assert rows(world.engine, ledger) == []
-    retired = rows(world.engine, retired_ledger_rows)
+    assert rows(world.engine, ledger_table) == []
+    retired = rows(world.engine, retired_ledger_rows_table)
     assert {
         (r["external_id"], r["remote_id"], r["attempts"], r["create_generation"], r["key_epoch"]) for r in retired
     } == {
@@ -200,7 +206,7 @@ def test_a_change_that_keeps_the_route_retires_nothing(world: World) -> None:
     rule_id, record_id = world.rule_row()["id"], world.record_id("a")
     with world.engine.begin() as conn:
         conn.execute(
-            ledger.insert().values(
+            ledger_table.insert().values(
                 rule_id=rule_id,
                 record_id=record_id,
                 status="delivered",
@@ -213,7 +219,7 @@ def test_a_change_that_keeps_the_route_retires_nothing(world: World) -> None:
         )
     report = apply(world.engine, world.config(rule={"collection": "people", "batch_size": 7}))
     assert report.updated == [f"rule {RULE}"] and report.retired == []
-    assert len(rows(world.engine, ledger)) == 1 and rows(world.engine, retired_ledger_rows) == []
+    assert len(rows(world.engine, ledger_table)) == 1 and rows(world.engine, retired_ledger_rows_table) == []
     assert world.rule_row()["key_epoch"] == 0
 
 
@@ -230,19 +236,19 @@ def test_a_chain_claimed_before_the_move_cannot_write_after_it(world: World) -> 
     rule = world.rule_row()
     assert rule["chain_token"] is None
     with world.engine.connect() as conn:
-        ended = conn.execute(sa.select(chains).where(chains.c.token == chain.token)).one()
+        ended = conn.execute(sa.select(chains_table).where(chains_table.c.token == chain.token)).one()
     assert ended.ended_by == "superseded" and "shop/lead -> crm" in ended.message
 
     second = chain.run_batch(Phase.SCAN)
     assert second.ended_by is ChainEnd.SUPERSEDED and second.attempted == 0
     assert len(world.target.requests) == sent
-    assert rows(world.engine, ledger) == []
+    assert rows(world.engine, ledger_table) == []
     assert world.rule_row()["cursor_changed_at"] is None
     # The chain says why it stopped: the move, not "another chain took over" (there is none).
     assert second.message.startswith("chain superseded: rule source/domain/target changed from"), second.message
     chain.finish()
     with world.engine.connect() as conn:
-        ended = conn.execute(sa.select(chains).where(chains.c.token == chain.token)).one()
+        ended = conn.execute(sa.select(chains_table).where(chains_table.c.token == chain.token)).one()
     assert "shop/lead -> crm" in ended.message and "took over" not in ended.message, ended.message
 
 
@@ -255,10 +261,10 @@ def test_a_chain_started_before_the_move_but_not_yet_claimed_cannot_claim_after_
     batch = waiting.run_batch(Phase.SCAN)
 
     assert batch.ended_by is ChainEnd.SUPERSEDED and batch.attempted == 0
-    assert world.target.requests == [] and rows(world.engine, ledger) == []
+    assert world.target.requests == [] and rows(world.engine, ledger_table) == []
     assert world.rule_row()["chain_token"] is None
     with world.engine.connect() as conn:
-        ended = conn.execute(sa.select(chains).where(chains.c.token == waiting.token)).one()
+        ended = conn.execute(sa.select(chains_table).where(chains_table.c.token == waiting.token)).one()
     assert ended.ended_by == "superseded" and "shop/lead -> crm" in ended.message
 
 
@@ -266,7 +272,7 @@ def test_a_chain_started_before_the_move_but_not_yet_claimed_cannot_claim_after_
 
 
 def test_a_file_that_takes_the_update_verb_from_a_saved_rules_target_is_refused(world: World) -> None:
-    before = rows(world.engine, connections), rows(world.engine, rules)
+    before = rows(world.engine, connections_table), rows(world.engine, rules_table)
     changed = {"connections": [{**world.config()["connections"][0], "driver": "rest-create-only"}]}
     with pytest.raises(ConfigError) as caught:
         apply(world.engine, changed)
@@ -274,18 +280,18 @@ def test_a_file_that_takes_the_update_verb_from_a_saved_rules_target_is_refused(
         f"connections[0].driver: rule {RULE!r} (saved) targets 'crm', whose driver 'rest-create-only' does not "
         "offer the 'update' verb its policy 'create_and_update' needs"
     ]
-    assert (rows(world.engine, connections), rows(world.engine, rules)) == before
+    assert (rows(world.engine, connections_table), rows(world.engine, rules_table)) == before
 
 
 def test_a_file_that_redeclares_a_saved_rules_target_without_a_driver_is_refused(world: World) -> None:
-    before = rows(world.engine, connections), rows(world.engine, rules)
+    before = rows(world.engine, connections_table), rows(world.engine, rules_table)
     with pytest.raises(ConfigError) as caught:
         apply(world.engine, {"connections": [{"name": "crm"}]})
     (problem,) = caught.value.problems
     assert problem.startswith(f"connections[0].driver: rule {RULE!r} (saved) targets 'crm'")
     assert "without a driver" in problem and "'create' and 'update' verbs" in problem
     assert "'create_and_update'" in problem
-    assert (rows(world.engine, connections), rows(world.engine, rules)) == before
+    assert (rows(world.engine, connections_table), rows(world.engine, rules_table)) == before
 
 
 def test_a_file_that_fixes_the_connection_and_the_rule_together_is_accepted(world: World) -> None:
@@ -331,9 +337,9 @@ def test_on_postgresql_a_move_waits_for_a_settle_in_flight_and_retires_its_row(w
     with world.engine.connect() as settle:
         settle.begin()
         # A settle of the claimed chain, between its fence check and its commit.
-        assert chains_store.holds_fence_for_settle(settle, rule.id, chain.token, rule.target.id)[0]
+        assert chains.holds_fence_for_settle(settle, rule.id, chain.token, rule.target.id)[0]
         settle.execute(
-            ledger.insert().values(
+            ledger_table.insert().values(
                 rule_id=rule.id,
                 record_id=b,
                 status="delivered",
@@ -353,7 +359,7 @@ def test_on_postgresql_a_move_waits_for_a_settle_in_flight_and_retires_its_row(w
     assert isinstance(report, catalog.ApplyReport), report
     # ...and then retires the row that settle wrote: nothing of the old route stays in play.
     assert [(r.rows, r.statuses) for r in report.retired] == [(1, {"delivered": 1})]
-    assert rows(world.engine, ledger) == []
+    assert rows(world.engine, ledger_table) == []
     assert world.rule_row()["chain_token"] is None
     assert chain.run_batch(Phase.SCAN).ended_by is ChainEnd.SUPERSEDED
 
@@ -365,7 +371,7 @@ def test_on_postgresql_two_applies_of_one_move_retire_and_bump_the_epoch_once(wo
     rule_id, record_id = world.rule_row()["id"], world.record_id("a")
     with world.engine.begin() as conn:
         conn.execute(
-            ledger.insert().values(
+            ledger_table.insert().values(
                 rule_id=rule_id,
                 record_id=record_id,
                 status="failed",
@@ -390,4 +396,4 @@ def test_on_postgresql_two_applies_of_one_move_retire_and_bump_the_epoch_once(wo
     # The second apply compared against what the first wrote, not what it read before waiting.
     assert second_report.retired == [] and second_report.updated == []
     assert world.rule_row()["key_epoch"] == 1
-    assert len(rows(world.engine, retired_ledger_rows)) == 1
+    assert len(rows(world.engine, retired_ledger_rows_table)) == 1

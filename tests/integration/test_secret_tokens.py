@@ -23,7 +23,7 @@ from delivery.config import parse_config
 from delivery.domain import Connection, ConnectionStatus
 from delivery.errors import ConfigError, MissingCredential
 from delivery.store import catalog
-from delivery.store.tables import chains, ledger
+from delivery.store.tables import chains_table, ledger_table
 from delivery.writers.base import token_for
 from tests.integration.world import RULE, World
 from tests.support.databases import unique
@@ -79,7 +79,7 @@ def run_state(flow_run_id: str) -> Any:
 def everything_written(engine: sa.Engine) -> str:
     """Every ledger and chain row as text: where a leaked token would land."""
     with engine.connect() as conn:
-        rows = [*conn.execute(sa.select(ledger)), *conn.execute(sa.select(chains))]
+        rows = [*conn.execute(sa.select(ledger_table)), *conn.execute(sa.select(chains_table))]
     return "\n".join(repr(tuple(row)) for row in rows)
 
 

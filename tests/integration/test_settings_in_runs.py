@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import sqlalchemy as sa
 
-from delivery.store.tables import chains
+from delivery.store.tables import chains_table
 from flows.deliver_rule import deliver_rule
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
@@ -30,7 +30,7 @@ def test_a_bad_setting_fails_the_run_before_its_chain_exists(
     state = asyncio.run(deliver_rule(rule=RULE, return_state=True))
     assert state.is_failed() and variable in (state.message or "")
     with world.engine.connect() as conn:
-        assert conn.execute(sa.select(chains)).all() == []
+        assert conn.execute(sa.select(chains_table)).all() == []
     assert world.ledger() == {} and world.cursor() is None
     monkeypatch.delenv(variable)
     assert world.run()["state"] == "COMPLETED"  # the rule itself was fine all along

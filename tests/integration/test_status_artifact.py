@@ -19,7 +19,7 @@ from delivery.apply import apply_config
 from delivery.config import parse_config
 from delivery.domain import ChainEnd
 from delivery.status import RUN_STATE_NAMES
-from delivery.store.tables import connections
+from delivery.store.tables import connections_table
 from flows.cli import app
 from flows.status_artifact import STATUS_ARTIFACT_KEY, publish_status
 from tests.integration.world import RULE, World
@@ -88,7 +88,7 @@ def _rows(artifact: Any) -> list[dict[str, Any]]:
 def _chains_end(world: World) -> None:
     assert world.run()["ended_by"] == "caught_up"
     with world.engine.begin() as conn:
-        conn.execute(connections.update().where(connections.c.name == "erp").values(driver="soap"))
+        conn.execute(connections_table.update().where(connections_table.c.name == "erp").values(driver="soap"))
     assert world.run(FAILING)["state"] == "FAILED"
 
 

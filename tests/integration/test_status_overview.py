@@ -1,6 +1,6 @@
 """The words `delivery status` uses for a rule's route, its target's breaker, how its last chain ended
 and its lag, pinned exactly, on SQLite and PostgreSQL. The overview takes the route and breaker
-decisions from where the chain takes them (the route from `policy.closed_connection`, the reopening
+decisions from where the chain takes them (the route from `decisions.closed_connection`, the reopening
 from `breaker.reopens_at`); these pin that doing so changed none of its JSON."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from delivery.config import parse_config
 from delivery.domain import ChainEnd, ChainReport
 from delivery.status import overview, plain_duration, plain_time
 from delivery.store import chains
-from delivery.store.tables import breaker_states, connections, rules
+from delivery.store.tables import breaker_states_table, connections_table, rules_table
 
 NOW = datetime(2026, 12, 1, 8, 0, 0, tzinfo=UTC)
 
@@ -32,19 +32,21 @@ rules:
 def _apply(engine: sa.Engine) -> int:
     with engine.begin() as conn:
         apply_config(conn, parse_config(CONFIG))
-        return int(conn.execute(sa.select(connections.c.id).where(connections.c.name == "crm")).scalar_one())
+        return int(
+            conn.execute(sa.select(connections_table.c.id).where(connections_table.c.name == "crm")).scalar_one()
+        )
 
 
 def _set_status(engine: sa.Engine, name: str, status: str) -> None:
     with engine.begin() as conn:
-        conn.execute(connections.update().where(connections.c.name == name).values(status=status))
+        conn.execute(connections_table.update().where(connections_table.c.name == name).values(status=status))
 
 
 def _set_breaker(engine: sa.Engine, crm: int, state: str, fail_counter: int, opened_at: datetime | None) -> None:
     with engine.begin() as conn:
-        conn.execute(breaker_states.delete().where(breaker_states.c.connection_id == crm))
+        conn.execute(breaker_states_table.delete().where(breaker_states_table.c.connection_id == crm))
         conn.execute(
-            breaker_states.insert().values(
+            breaker_states_table.insert().values(
                 connection_id=crm, state=state, fail_counter=fail_counter, success_counter=0, opened_at=opened_at
             )
         )
@@ -96,7 +98,9 @@ def test_the_breaker_as_status_words_it(engine: sa.Engine) -> None:
 
 def _end_last_chain(engine: sa.Engine, ended_by: ChainEnd, message: str, started: datetime, ended: datetime) -> None:
     with engine.begin() as conn:
-        rule_id = int(conn.execute(sa.select(rules.c.id).where(rules.c.name == "contacts-to-crm")).scalar_one())
+        rule_id = int(
+            conn.execute(sa.select(rules_table.c.id).where(rules_table.c.name == "contacts-to-crm")).scalar_one()
+        )
         token = chains.start_chain(conn, rule_id, None, started)
         chains.end_chain(conn, ChainReport("contacts-to-crm", token, ended_by, message), ended)
 
@@ -108,7 +112,9 @@ def test_how_the_last_chain_ended_as_status_words_it(engine: sa.Engine) -> None:
     assert plain_time(row["last_since"]) == "-"
 
     with engine.begin() as conn:
-        rule_id = int(conn.execute(sa.select(rules.c.id).where(rules.c.name == "contacts-to-crm")).scalar_one())
+        rule_id = int(
+            conn.execute(sa.select(rules_table.c.id).where(rules_table.c.name == "contacts-to-crm")).scalar_one()
+        )
         chains.start_chain(conn, rule_id, None, NOW - timedelta(minutes=2))
     row = _row(engine)
     assert (row["last_ending"], row["last_since"]) == ("running", "2026-12-01T07:58:00+00:00")

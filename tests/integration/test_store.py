@@ -15,7 +15,7 @@ from delivery.errors import ConfigError, MirrorLoadError, UnknownName
 from delivery.mirror_file import parse_line
 from delivery.store import catalog
 from delivery.store.mirror import load_records
-from delivery.store.tables import connections, mirror_records, rules
+from delivery.store.tables import connections_table, mirror_records_table, rules_table
 
 CONFIG = """
 connections:
@@ -39,10 +39,10 @@ def table(engine: sa.Engine, t: sa.Table) -> list[dict]:  # type: ignore[type-ar
 def test_apply_creates_and_reapplying_is_a_no_op(engine: sa.Engine) -> None:
     report = apply(engine, CONFIG)
     assert report.created == ["connection crm", "connection shop", "rule contacts-to-crm"]
-    before = table(engine, connections) + table(engine, rules)
+    before = table(engine, connections_table) + table(engine, rules_table)
     again = apply(engine, CONFIG)
     assert again.created == [] and again.updated == [] and len(again.unchanged) == 3
-    assert table(engine, connections) + table(engine, rules) == before
+    assert table(engine, connections_table) + table(engine, rules_table) == before
 
 
 def test_apply_updates_only_what_changed_and_keeps_an_operators_status(engine: sa.Engine) -> None:
@@ -67,7 +67,7 @@ def test_refused_config_writes_nothing(engine: sa.Engine) -> None:
     with pytest.raises(ConfigError) as caught:
         apply(engine, bad)
     assert any("rules[1].policy" in p and "'update'" in p and "rest-create-only" in p for p in caught.value.problems)
-    assert table(engine, connections) == [] and table(engine, rules) == []
+    assert table(engine, connections_table) == [] and table(engine, rules_table) == []
 
 
 def test_rule_may_refer_to_connections_saved_earlier(engine: sa.Engine) -> None:
@@ -83,7 +83,7 @@ def test_changing_a_rules_source_or_domain_resets_its_cursor(engine: sa.Engine) 
 
     apply(engine, CONFIG)
     with engine.begin() as conn:
-        conn.execute(rules.update().values(cursor_changed_at=utcnow(), cursor_record_id=5))
+        conn.execute(rules_table.update().values(cursor_changed_at=utcnow(), cursor_record_id=5))
     apply(engine, CONFIG.replace("domain: contact", "domain: lead"))
     with engine.connect() as conn:
         assert catalog.get_rule(conn, "contacts-to-crm").cursor is None
@@ -95,7 +95,7 @@ def load(engine: sa.Engine, items: list[MirrorInput], source: str = "shop") -> o
 
 
 def signals(engine: sa.Engine) -> dict[str, object]:
-    return {r["external_id"]: r["changed_at"] for r in table(engine, mirror_records)}
+    return {r["external_id"]: r["changed_at"] for r in table(engine, mirror_records_table)}
 
 
 def test_change_signal_moves_only_on_a_real_change(engine: sa.Engine) -> None:
@@ -109,13 +109,13 @@ def test_change_signal_moves_only_on_a_real_change(engine: sa.Engine) -> None:
     assert second["a"] == first["a"] and second["b"] > first["b"]  # type: ignore[operator]
     load(engine, [MirrorInput("a", {"x": 1}, deleted=True)])
     assert signals(engine)["a"] > first["a"]  # type: ignore[operator]
-    assert {r["external_id"]: r["deleted"] for r in table(engine, mirror_records)} == {"a": True, "b": False}
+    assert {r["external_id"]: r["deleted"] for r in table(engine, mirror_records_table)} == {"a": True, "b": False}
 
 
 def test_a_bad_line_part_way_loads_nothing(engine: sa.Engine) -> None:
     apply(engine, CONFIG)
     load(engine, [MirrorInput("keep", {"v": 1})])
-    before = table(engine, mirror_records)
+    before = table(engine, mirror_records_table)
 
     def lines() -> Iterator[MirrorInput]:
         for n in range(1, 1500):  # past the first chunks, which were already written in the transaction
@@ -125,7 +125,7 @@ def test_a_bad_line_part_way_loads_nothing(engine: sa.Engine) -> None:
     with pytest.raises(MirrorLoadError) as caught:
         load(engine, lines())  # type: ignore[arg-type]
     assert caught.value.line == 1234
-    assert table(engine, mirror_records) == before
+    assert table(engine, mirror_records_table) == before
 
 
 def test_unknown_source_is_refused(engine: sa.Engine) -> None:

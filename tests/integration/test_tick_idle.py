@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from delivery.clock import utcnow
-from delivery.store.tables import chains, rules
+from delivery.store.tables import chains_table, rules_table
 from delivery.tick import plan_tick, record_launch
 from flows.cli import app
 from tests.integration.world import RULE, World
@@ -37,7 +37,7 @@ def _tick() -> dict[str, Any]:
 
 def _chain_count(world: World) -> int:
     with world.engine.connect() as conn:
-        return int(conn.execute(sa.select(sa.func.count()).select_from(chains)).scalar_one())
+        return int(conn.execute(sa.select(sa.func.count()).select_from(chains_table)).scalar_one())
 
 
 def _deliver_rule_runs() -> int:
@@ -146,7 +146,7 @@ def test_a_disabled_rule_is_never_idle_and_an_alive_chain_is_left_alone(world: W
     assert plan.alive == [RULE] and plan.idle == [] and plan.start == []
 
     with world.engine.begin() as conn:
-        conn.execute(rules.update().where(rules.c.name == RULE).values(enabled=False))
+        conn.execute(rules_table.update().where(rules_table.c.name == RULE).values(enabled=False))
     with world.engine.connect() as conn:
         plan = plan_tick(conn, utcnow(), timedelta(minutes=15))
     assert plan.disabled == [RULE] and plan.idle == [] and plan.start == []
@@ -160,5 +160,5 @@ def test_a_dead_chain_of_an_idle_rule_is_replaced_by_no_chain(world: World) -> N
     [row] = tick["rules"]
     assert row["action"] == "idle" and [dead["chain_token"] for dead in row["replaced"]] == [token]
     with world.engine.connect() as conn:
-        ended = conn.execute(sa.select(chains.c.ended_by).where(chains.c.token == token)).scalar_one()
+        ended = conn.execute(sa.select(chains_table.c.ended_by).where(chains_table.c.token == token)).scalar_one()
     assert ended == "superseded" and _chain_count(world) == 1

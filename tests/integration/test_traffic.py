@@ -16,7 +16,7 @@ from delivery.apply import apply_config
 from delivery.clock import utcnow
 from delivery.config import parse_config
 from delivery.domain import ChainEnd
-from delivery.store.tables import breaker_states, target_traffic
+from delivery.store.tables import breaker_states_table, target_traffic_table
 from delivery.traffic import TrafficListener
 from tests.integration.world import RULE, World
 from tests.support.chains import drive
@@ -41,12 +41,12 @@ def world(engine: sa.Engine, target: TargetServer) -> World:
 
 def traffic_row(world: World) -> sa.Row[tuple[object, ...]]:
     with world.engine.connect() as conn:
-        return conn.execute(sa.select(target_traffic)).one()
+        return conn.execute(sa.select(target_traffic_table)).one()
 
 
 def breaker_failures(world: World) -> int:
     with world.engine.connect() as conn:
-        return int(conn.execute(sa.select(breaker_states.c.fail_counter)).scalar_one())
+        return int(conn.execute(sa.select(breaker_states_table.c.fail_counter)).scalar_one())
 
 
 @pytest.mark.parametrize("code", [429, 503])
@@ -98,7 +98,7 @@ def test_a_pause_beyond_the_job_parks_nothing_and_ends_the_chain_rate_limited(wo
 
     # The pause over, the record that met it goes first, and then the rest.
     with world.engine.begin() as conn:
-        conn.execute(target_traffic.update().values(paused_until=utcnow() - timedelta(seconds=1)))
+        conn.execute(target_traffic_table.update().values(paused_until=utcnow() - timedelta(seconds=1)))
     world.make_due()
     report = drive(world.engine, RULE, traffic_listeners=[heard])
     assert report.ended_by is ChainEnd.CAUGHT_UP

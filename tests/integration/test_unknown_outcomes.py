@@ -26,8 +26,8 @@ from delivery import chain as chain_module
 from delivery.clock import utcnow
 from delivery.domain import ChainEnd
 from delivery.errors import Unauthorized
-from delivery.store import ledger as ledger_store
-from delivery.store.tables import breaker_states, ledger
+from delivery.store import ledger
+from delivery.store.tables import breaker_states_table, ledger_table
 from tests.integration.world import RULE, World, email
 from tests.support.chains import drive
 from tests.target_server import Answer, TargetServer
@@ -49,8 +49,8 @@ def settles_die(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         raise Abandoned
 
     with monkeypatch.context() as patched:
-        patched.setattr(ledger_store, "settle", die)
-        patched.setattr(ledger_store, "settle_many", die)
+        patched.setattr(ledger, "settle", die)
+        patched.setattr(ledger, "settle_many", die)
         yield
 
 
@@ -251,7 +251,7 @@ def test_a_refusal_on_the_last_attempt_still_exhausts(engine: sa.Engine, target:
 def _cool_down(engine: sa.Engine) -> None:
     """Time travel: the breaker opened long enough ago for its trial call."""
     with engine.begin() as conn:
-        conn.execute(breaker_states.update().values(opened_at=utcnow() - timedelta(minutes=5)))
+        conn.execute(breaker_states_table.update().values(opened_at=utcnow() - timedelta(minutes=5)))
 
 
 # -- credentials refused: a fault of the rule -----------------------------------------------------
@@ -261,7 +261,7 @@ def _rows(engine: sa.Engine) -> list[dict[str, Any]]:
     """The ledger as an operator reads it: `version` only counts writes (an intent taken back
     moves it on, so that a requeue that read the intent cannot write over the row unseen)."""
     with engine.connect() as conn:
-        rows = conn.execute(sa.select(ledger).order_by(ledger.c.id))
+        rows = conn.execute(sa.select(ledger_table).order_by(ledger_table.c.id))
         return [{k: v for k, v in row._asdict().items() if k != "version"} for row in rows]
 
 
@@ -286,7 +286,7 @@ def test_credentials_refused_end_the_chain_and_write_nothing(
     assert "s3cr3t" not in message
     assert _rows(engine) == before  # no row written, no attempt spent, no intent left
     with engine.connect() as conn:
-        assert conn.execute(sa.select(breaker_states.c.fail_counter)).scalar_one() == 0
+        assert conn.execute(sa.select(breaker_states_table.c.fail_counter)).scalar_one() == 0
 
 
 def test_a_403_is_a_record_refusal_where_the_connection_says_so(engine: sa.Engine, target: TargetServer) -> None:

@@ -127,16 +127,16 @@ def _rounds(writer: RestWriter, concurrency: int) -> None:
     start = threading.Barrier(concurrency)
     errors: list[BaseException] = []
 
-    def worker(lane: int) -> None:
+    def worker(thread: int) -> None:
         try:
             for round_ in range(ROUNDS):
                 start.wait(timeout=30)
-                writer.update(f"r{round_}-{lane}", {"round": round_, "lane": lane})
+                writer.update(f"r{round_}-{thread}", {"round": round_, "thread": thread})
         except BaseException as exc:
             errors.append(exc)
             start.abort()
 
-    threads = [threading.Thread(target=worker, args=(lane,)) for lane in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(concurrency)]
     for thread in threads:
         thread.start()
     for thread in threads:

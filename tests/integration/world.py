@@ -12,10 +12,9 @@ from delivery.apply import apply_config
 from delivery.clock import utcnow
 from delivery.config import parse_config
 from delivery.domain import Cursor, MirrorInput
-from delivery.store import catalog
-from delivery.store import ledger as ledger_store
+from delivery.store import catalog, ledger
 from delivery.store.mirror import load_records
-from delivery.store.tables import ledger, mirror_records, rules
+from delivery.store.tables import ledger_table, mirror_records_table, rules_table
 from flows.deliver_rule import run_now
 from tests.target_server import TargetServer
 
@@ -78,14 +77,14 @@ class World:
 
     def ledger(self, rule: str = RULE) -> dict[str, dict[str, Any]]:
         with self.engine.connect() as conn:
-            return {row["external_id"]: row for row in ledger_store.ledger_rows(conn, rule)}
+            return {row["external_id"]: row for row in ledger.ledger_rows(conn, rule)}
 
     def full_ledger_row(self, external_id: str) -> dict[str, Any]:
         with self.engine.connect() as conn:
             row = conn.execute(
-                sa.select(ledger)
-                .join(mirror_records, mirror_records.c.id == ledger.c.record_id)
-                .where(mirror_records.c.external_id == external_id)
+                sa.select(ledger_table)
+                .join(mirror_records_table, mirror_records_table.c.id == ledger_table.c.record_id)
+                .where(mirror_records_table.c.external_id == external_id)
             ).one()
             return row._asdict()
 
@@ -93,8 +92,8 @@ class World:
         """Time travel: every failed row is due now."""
         with self.engine.begin() as conn:
             conn.execute(
-                ledger.update()
-                .where(ledger.c.status == "failed")
+                ledger_table.update()
+                .where(ledger_table.c.status == "failed")
                 .values(next_attempt_at=utcnow() - timedelta(seconds=1))
             )
 
@@ -106,20 +105,20 @@ class World:
         with self.engine.connect() as conn:
             return int(
                 conn.execute(
-                    sa.select(mirror_records.c.id).where(mirror_records.c.external_id == external_id)
+                    sa.select(mirror_records_table.c.id).where(mirror_records_table.c.external_id == external_id)
                 ).scalar_one()
             )
 
     def set_driver(self, driver: str) -> None:
         """What an uninstalled or changed driver looks like after the rule was saved."""
-        from delivery.store.tables import connections
+        from delivery.store.tables import connections_table
 
         with self.engine.begin() as conn:
-            conn.execute(connections.update().where(connections.c.name == "crm").values(driver=driver))
+            conn.execute(connections_table.update().where(connections_table.c.name == "crm").values(driver=driver))
 
     def rule_row(self, rule: str = RULE) -> dict[str, Any]:
         with self.engine.connect() as conn:
-            return conn.execute(sa.select(rules).where(rules.c.name == rule)).one()._asdict()
+            return conn.execute(sa.select(rules_table).where(rules_table.c.name == rule)).one()._asdict()
 
     def key(self, external_id: str) -> str:
         return email(external_id)

@@ -20,7 +20,7 @@ from delivery.config import parse_config
 from delivery.domain import ConnectionStatus, MirrorInput
 from delivery.store import catalog
 from delivery.store.mirror import load_records
-from delivery.store.tables import connections, mirror_records, rules
+from delivery.store.tables import connections_table, mirror_records_table, rules_table
 
 DELIVERY = Path(sys.executable).parent / "delivery"
 
@@ -164,12 +164,12 @@ def table_rows(engine: sa.Engine, table: sa.Table) -> list[dict[str, Any]]:
 
 
 def mirror_by_id(engine: sa.Engine) -> dict[str, dict[str, Any]]:
-    return {row["external_id"]: row for row in table_rows(engine, mirror_records)}
+    return {row["external_id"]: row for row in table_rows(engine, mirror_records_table)}
 
 
 def assert_catalog_empty(engine: sa.Engine) -> None:
-    assert table_rows(engine, connections) == []
-    assert table_rows(engine, rules) == []
+    assert table_rows(engine, connections_table) == []
+    assert table_rows(engine, rules_table) == []
 
 
 def set_up(engine: sa.Engine, data: dict[str, Any], *records: dict[str, Any]) -> None:

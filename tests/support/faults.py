@@ -11,8 +11,7 @@ import sqlalchemy as sa
 from delivery.clock import utcnow
 from delivery.domain import ConnectionStatus
 from delivery.store import catalog
-from delivery.store import ledger as ledger_store
-from delivery.store.tables import breaker_states
+from delivery.store.tables import breaker_states_table, ledger_table
 from tests.integration.world import RULE, World
 
 
@@ -25,9 +24,9 @@ def open_breaker(world: World) -> None:
     """The rule's target breaker stored open since now, as a trip leaves it."""
     with world.engine.begin() as conn:
         target_id = catalog.get_rule(conn, RULE).target.id
-        conn.execute(sa.delete(breaker_states).where(breaker_states.c.connection_id == target_id))
+        conn.execute(sa.delete(breaker_states_table).where(breaker_states_table.c.connection_id == target_id))
         conn.execute(
-            breaker_states.insert().values(
+            breaker_states_table.insert().values(
                 connection_id=target_id, state="open", fail_counter=50, success_counter=0, opened_at=utcnow()
             )
         )
@@ -40,7 +39,7 @@ def scan_then_race(real: Callable[..., Any]) -> Callable[..., Any]:
         page = real(conn, rule, after, limit)
         for candidate in page:
             conn.execute(
-                ledger_store.ledger.insert().values(
+                ledger_table.insert().values(
                     rule_id=rule.id,
                     record_id=candidate.record.id,
                     status="delivered",

@@ -8,7 +8,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from delivery.store.tables import ledger, metadata
+from delivery.store.tables import ledger_table, metadata
 from tests.integration.world import World
 
 
@@ -18,7 +18,7 @@ def park(world: World, external_id: str, status: str, *, last_error: str = "HTTP
     terminal = status in ("exhausted", "remote_gone")
     with world.engine.begin() as conn:
         conn.execute(
-            ledger.insert().values(
+            ledger_table.insert().values(
                 rule_id=rule_id,
                 record_id=record_id,
                 status=status,
@@ -37,7 +37,7 @@ def park(world: World, external_id: str, status: str, *, last_error: str = "HTTP
 
 def snapshot(engine: sa.Engine) -> list[dict[str, Any]]:
     with engine.connect() as conn:
-        return [r._asdict() for r in conn.execute(sa.select(ledger).order_by(ledger.c.id))]
+        return [r._asdict() for r in conn.execute(sa.select(ledger_table).order_by(ledger_table.c.id))]
 
 
 def dump(engine: sa.Engine) -> dict[str, list[tuple[Any, ...]]]:

@@ -11,7 +11,7 @@ import yaml
 
 from delivery.db import migrations_dir
 from delivery.package_data import package_data
-from flows.alerts import AUTOMATIONS_DIR, automation_files
+from flows.automations import AUTOMATIONS_DIR, automation_files
 
 AUTOMATIONS = {
     "breaker-closed.yaml",

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from delivery import policy
+from delivery import decisions
 from delivery.domain import ChainEnd, Connection, ConnectionStatus, LedgerRow, LedgerStatus, Policy, Rule
 from delivery.errors import (
     RecordFault,
@@ -34,14 +34,14 @@ def _row(**changes: object) -> LedgerRow:
         next_attempt_at=NOW,
         last_error="before",
         settled_changed_at=NOW,
-        fingerprint=None,
+        delivered_digest=None,
         create_generation=2,
     )
     return dataclasses.replace(row, **changes)
 
 
 def _after(row: LedgerRow | None, fault: RecordFault, max_attempts: int = 3, remote_id: str | None = None):  # type: ignore[no-untyped-def]
-    return policy.after_fault(
+    return decisions.after_fault(
         row, fault, message="why", max_attempts=max_attempts, schedule=SCHEDULE, now=NOW, remote_id=remote_id
     )
 
@@ -73,8 +73,8 @@ def test_retry_after_defers_the_next_attempt() -> None:
 
 
 def test_an_update_answered_gone_is_remote_gone_and_keeps_its_remote_id() -> None:
-    outcome = _after(_row(remote_id="r-1", fingerprint="f", status=LedgerStatus.DELIVERED), RemoteGone("404"))
-    assert (outcome.status, outcome.remote_id, outcome.fingerprint) == (LedgerStatus.REMOTE_GONE, "r-1", "f")
+    outcome = _after(_row(remote_id="r-1", delivered_digest="f", status=LedgerStatus.DELIVERED), RemoteGone("404"))
+    assert (outcome.status, outcome.remote_id, outcome.delivered_digest) == (LedgerStatus.REMOTE_GONE, "r-1", "f")
     assert outcome.next_attempt_at is None
 
 
@@ -84,10 +84,10 @@ def test_unaddressable_and_unsendable_are_exhausted_at_once(fault: RecordFault) 
     assert (outcome.status, outcome.attempts, outcome.next_attempt_at) == (LedgerStatus.EXHAUSTED, 1, None)
 
 
-def test_a_create_whose_follow_up_update_failed_keeps_the_id_and_no_fingerprint() -> None:
-    outcome = _after(_row(fingerprint=None), TargetUnavailable("503"), remote_id="r-9")
-    assert (outcome.status, outcome.remote_id, outcome.fingerprint) == (LedgerStatus.FAILED, "r-9", None)
-    assert policy.choose_verb(_row(remote_id=outcome.remote_id)).value == "update"
+def test_a_create_whose_follow_up_update_failed_keeps_the_id_and_no_delivered_digest() -> None:
+    outcome = _after(_row(delivered_digest=None), TargetUnavailable("503"), remote_id="r-9")
+    assert (outcome.status, outcome.remote_id, outcome.delivered_digest) == (LedgerStatus.FAILED, "r-9", None)
+    assert decisions.choose_verb(_row(remote_id=outcome.remote_id)).value == "update"
 
 
 def test_a_fault_of_no_known_kind_has_no_outcome() -> None:
@@ -96,9 +96,9 @@ def test_a_fault_of_no_known_kind_has_no_outcome() -> None:
 
 
 def test_delivered_resets_attempts_and_clears_the_error() -> None:
-    outcome = policy.delivered(_row(attempts=2), "r-1", "digest")
+    outcome = decisions.delivered(_row(attempts=2), "r-1", "digest")
     assert (outcome.status, outcome.attempts, outcome.last_error) == (LedgerStatus.DELIVERED, 0, None)
-    assert (outcome.remote_id, outcome.fingerprint, outcome.create_generation) == ("r-1", "digest", 2)
+    assert (outcome.remote_id, outcome.delivered_digest, outcome.create_generation) == ("r-1", "digest", 2)
 
 
 def _rule(*, enabled: bool = True, source: str = "active", target: str = "active") -> Rule:
@@ -124,22 +124,22 @@ def _rule(*, enabled: bool = True, source: str = "active", target: str = "active
 
 
 def test_the_gate() -> None:
-    assert policy.gate(_rule()) is None
-    assert policy.gate(_rule(enabled=False)) == (ChainEnd.DISABLED, "rule 'r' is disabled")
-    assert policy.gate(_rule(source="error")) == (
+    assert decisions.gate(_rule()) is None
+    assert decisions.gate(_rule(enabled=False)) == (ChainEnd.DISABLED, "rule 'r' is disabled")
+    assert decisions.gate(_rule(source="error")) == (
         ChainEnd.ROUTE_CLOSED,
         "route closed: source connection 'shop' is error",
     )
-    assert policy.gate(_rule(target="disabled")) == (
+    assert decisions.gate(_rule(target="disabled")) == (
         ChainEnd.ROUTE_CLOSED,
         "route closed: target connection 'crm' is disabled",
     )
 
 
 def test_create_may_be_a_replay() -> None:
-    assert not policy.create_may_be_a_replay(None, "b")
-    assert not policy.create_may_be_a_replay(_row(create_fingerprint="b"), "b")
-    assert policy.create_may_be_a_replay(_row(create_fingerprint="a"), "b")
-    assert not policy.create_may_be_a_replay(_row(create_fingerprint="a", remote_id="r-1"), "b")
-    assert policy.create_may_be_a_replay(_row(create_fingerprint=None, attempts=1), "b")  # from before intents
-    assert not policy.create_may_be_a_replay(_row(create_fingerprint=None, attempts=0), "b")
+    assert not decisions.create_may_be_a_replay(None, "b")
+    assert not decisions.create_may_be_a_replay(_row(create_digest="b"), "b")
+    assert decisions.create_may_be_a_replay(_row(create_digest="a"), "b")
+    assert not decisions.create_may_be_a_replay(_row(create_digest="a", remote_id="r-1"), "b")
+    assert decisions.create_may_be_a_replay(_row(create_digest=None, attempts=1), "b")  # from before intents
+    assert not decisions.create_may_be_a_replay(_row(create_digest=None, attempts=0), "b")

@@ -10,11 +10,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from delivery.alerts import Transition, transition
 from delivery.domain import ChainEnd
 from delivery.liveness import Holder, holder_is_dead, pid_alive
+from delivery.rule_health import Transition, transition
 
-# -- alerts.transition --------------------------------------------------------------------------
+# -- rule_health.transition ---------------------------------------------------------------------
 
 PREVIOUS: list[str | None] = [None, *(end.value for end in ChainEnd)]
 

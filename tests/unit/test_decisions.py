@@ -1,4 +1,4 @@
-"""Pure policy decisions (delivery/policy.py) and the status/policy vocabulary (delivery/domain.py)."""
+"""Pure decisions (delivery/decisions.py) and the status/policy vocabulary (delivery/domain.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from delivery.domain import TERMINAL_STATUSES, LedgerRow, LedgerStatus, Policy, Verb
-from delivery.policy import (
+from delivery.decisions import (
     RETRY_AFTER_CAP_SECONDS,
+    body_digest,
     choose_verb,
-    fingerprint,
     idempotency_key,
     map_payload,
     next_attempt_at,
 )
+from delivery.domain import TERMINAL_STATUSES, LedgerRow, LedgerStatus, Policy, Verb
 
 NOW = datetime(2026, 9, 10, 12, 0, 0, tzinfo=UTC)
 SCHEDULE = (60, 300, 1800, 7200)
@@ -32,7 +32,7 @@ def ledger_row(remote_id: str | None, status: LedgerStatus = LedgerStatus.DELIVE
         next_attempt_at=None,
         last_error=None,
         settled_changed_at=None,
-        fingerprint=None,
+        delivered_digest=None,
         create_generation=0,
     )
 
@@ -200,40 +200,40 @@ def test_map_payload_empty_payload_whole() -> None:
     assert map_payload({}, None) == {}
 
 
-# --- fingerprint -------------------------------------------------------------------------------
+# --- body_digest --------------------------------------------------------------------------------
 
 
-def test_fingerprint_is_key_order_independent() -> None:
-    assert fingerprint({"a": 1, "b": 2}) == fingerprint({"b": 2, "a": 1})
+def test_body_digest_is_key_order_independent() -> None:
+    assert body_digest({"a": 1, "b": 2}) == body_digest({"b": 2, "a": 1})
 
 
-def test_fingerprint_nested_key_order_independent() -> None:
-    assert fingerprint({"x": {"a": 1, "b": 2}}) == fingerprint({"x": {"b": 2, "a": 1}})
+def test_body_digest_nested_key_order_independent() -> None:
+    assert body_digest({"x": {"a": 1, "b": 2}}) == body_digest({"x": {"b": 2, "a": 1}})
 
 
-def test_fingerprint_differs_on_value_change() -> None:
-    assert fingerprint({"a": 1}) != fingerprint({"a": 2})
+def test_body_digest_differs_on_value_change() -> None:
+    assert body_digest({"a": 1}) != body_digest({"a": 2})
 
 
-def test_fingerprint_differs_on_key_change() -> None:
-    assert fingerprint({"a": 1}) != fingerprint({"b": 1})
+def test_body_digest_differs_on_key_change() -> None:
+    assert body_digest({"a": 1}) != body_digest({"b": 1})
 
 
-def test_fingerprint_differs_between_null_and_absent() -> None:
-    assert fingerprint({"a": 1, "b": None}) != fingerprint({"a": 1})
+def test_body_digest_differs_between_null_and_absent() -> None:
+    assert body_digest({"a": 1, "b": None}) != body_digest({"a": 1})
 
 
-def test_fingerprint_differs_on_type_change() -> None:
-    assert fingerprint({"a": 1}) != fingerprint({"a": "1"})
+def test_body_digest_differs_on_type_change() -> None:
+    assert body_digest({"a": 1}) != body_digest({"a": "1"})
 
 
-def test_fingerprint_is_a_sha256_hex_digest() -> None:
-    assert re.fullmatch(r"[0-9a-f]{64}", fingerprint({"a": 1}))
+def test_body_digest_is_a_sha256_hex_digest() -> None:
+    assert re.fullmatch(r"[0-9a-f]{64}", body_digest({"a": 1}))
 
 
-def test_fingerprint_tolerates_non_json_values() -> None:
+def test_body_digest_tolerates_non_json_values() -> None:
     when = datetime(2026, 1, 1, tzinfo=UTC)
-    assert fingerprint({"at": when}) == fingerprint({"at": when})
+    assert body_digest({"at": when}) == body_digest({"at": when})
 
 
 # --- idempotency_key ---------------------------------------------------------------------------

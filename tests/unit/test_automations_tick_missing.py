@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from delivery.errors import InputError
-from flows.alerts import FORMER_NAMES, TICK_MISSING_FILE, automations, tick_missing_window
+from flows.automations import FORMER_NAMES, TICK_MISSING_FILE, automations, tick_missing_window
 from flows.cli import app
 
 

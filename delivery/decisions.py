@@ -95,7 +95,7 @@ def choose_verb(ledger: LedgerRow | None) -> Verb:
 def create_may_be_a_replay(row: LedgerRow | None, digest: str) -> bool:
     """Whether a create about to carry the body `digest` may be answered with an older body.
 
-    The row's `create_fingerprint` is the digest of the first body sent under its current
+    The row's `create_digest` is the digest of the first body sent under its current
     Idempotency-Key, written before that body went out; a target honouring the key keeps the first
     body it applied. Another digest there means the answer may hold that older body. A row in
     doubt cannot tell: a later body sent under the key, its answer unseen, may be the one the
@@ -107,9 +107,9 @@ def create_may_be_a_replay(row: LedgerRow | None, digest: str) -> bool:
         # A follow-up update, or a create with another body under the same key, went out and
         # its answer was never seen: the target may hold that body, whatever the key's first was.
         return True
-    if row.create_fingerprint is None:
+    if row.create_digest is None:
         return row.attempts > 0
-    return row.create_fingerprint != digest
+    return row.create_digest != digest
 
 
 def identical_to_delivered(row: LedgerRow | None, digest: str) -> bool:
@@ -118,7 +118,7 @@ def identical_to_delivered(row: LedgerRow | None, digest: str) -> bool:
     in doubt (a write went out whose answer was never recorded: a timeout, a connection lost after
     sending, a cut or a crash between send and settle) proves nothing about what the target holds,
     and its next offer is sent whatever its body."""
-    return row is not None and not row.in_doubt and row.fingerprint == digest
+    return row is not None and not row.in_doubt and row.delivered_digest == digest
 
 
 def next_attempt_at(
@@ -144,7 +144,7 @@ def map_payload(payload: Mapping[str, Any], fields: Mapping[str, str] | None) ->
     return {target: payload.get(source) for target, source in fields.items()}
 
 
-def fingerprint(body: Mapping[str, Any]) -> str:
+def body_digest(body: Mapping[str, Any]) -> str:
     """A stable digest of a mapped payload, to suppress writes that would change nothing."""
     return canonical_digest(body)
 
@@ -170,7 +170,7 @@ def parked(row: LedgerRow | None, status: LedgerStatus, **changes: Any) -> Outco
     last delivered, unless `changes` say otherwise."""
     kept: dict[str, Any] = {
         "remote_id": row.remote_id if row else None,
-        "fingerprint": row.fingerprint if row else None,
+        "delivered_digest": row.delivered_digest if row else None,
         "create_generation": row.create_generation if row else 0,
         "in_doubt": row.in_doubt if row else False,
     }
@@ -183,7 +183,7 @@ def delivered(row: LedgerRow | None, remote_id: str | None, digest: str, note: s
     return Outcome(
         LedgerStatus.DELIVERED,
         remote_id=remote_id,
-        fingerprint=digest,
+        delivered_digest=digest,
         create_generation=row.create_generation if row else 0,
         last_error=note,
     )
@@ -221,7 +221,7 @@ def after_fault(
     if remote_id is not None:
         kept["remote_id"] = remote_id
         if row is None or row.remote_id != remote_id:
-            kept["fingerprint"] = None  # what the target holds is not known to be ours yet
+            kept["delivered_digest"] = None  # what the target holds is not known to be ours yet
     if paused_until is not None and isinstance(fault, TargetUnavailable):
         next_at = max(paused_until, now)
         return parked(
