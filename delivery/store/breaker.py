@@ -155,10 +155,16 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         # Called after every success. With a fresh row the reset is put off to the engine's next
         # read of the row (`observe`, in the transaction that settles this record), which writes
         # it only if there are failures to clear: no write transaction per success.
+        # Without one (records slower than SNAPSHOT_SECONDS, as on a loaded machine), a read decides
+        # whether there is anything to clear, so a success costs no write transaction (on SQLite,
+        # the database's one write lock) unless there is.
         with self._guard:
             if self._fresh() is not None:
                 self._reset_due = True
                 return
+        if self.counter == 0:
+            return
+        with self._guard:
             self._writes += 1
             self._snapshot = None
         with self._engine.begin() as conn:

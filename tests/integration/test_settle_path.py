@@ -22,7 +22,7 @@ from delivery.domain import ChainEnd, Phase
 from delivery.errors import TargetUnavailable
 from delivery.store import chains
 from delivery.store.breaker import DatabaseBreakerStorage
-from tests.integration.engine_events import Statements
+from tests.integration.engine_events import Commits, Statements
 from tests.integration.locks import wait_for_a_lock_wait
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
@@ -98,6 +98,29 @@ def test_an_observed_row_goes_stale_after_a_second(world: World, monkeypatch: py
     assert storage.state == "open"
     monkeypatch.setattr(breaker_module, "SNAPSHOT_SECONDS", 0.0)
     assert storage.state == "closed"  # what the database says
+
+
+def test_a_success_without_a_fresh_row_writes_only_a_reset_there_is_to_write(
+    world: World, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records slower than a row stays fresh (a slow target, a loaded machine) must not cost a write
+    transaction per success: a read decides, and failures made elsewhere are still cleared."""
+    import delivery.store.breaker as breaker_module
+
+    monkeypatch.setattr(breaker_module, "SNAPSHOT_SECONDS", 0.0)
+    other_engine = db.create_engine(db_url)
+    try:
+        mine, theirs = _breaker(world.engine, world, fail_max=2), _breaker(other_engine, world, fail_max=2)
+        with Commits(world.engine) as commits:
+            for _ in range(5):
+                assert mine.call(lambda: "ok") == "ok"
+        assert commits.count == 0
+        with pytest.raises(TargetUnavailable):
+            theirs.call(_fail)
+        assert mine.call(lambda: "ok") == "ok"
+        assert theirs.fail_counter == 0
+    finally:
+        other_engine.dispose()
 
 
 def test_a_breaker_tripped_by_another_process_is_seen_before_the_next_create(world: World, db_url: str) -> None:
