@@ -10,6 +10,7 @@ job with `TrafficHeld`, and the chain ends `rate_limited` (Completed): the next 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,6 +38,18 @@ STOP_STEP_SECONDS = 0.05
 #: A sender that wakes this far (a fraction of the interval between slots) past its slot takes a
 #: new one (see `TargetTraffic._too_late`).
 LATE_FRACTION = 0.25
+
+
+def late_allowance(per_second: float) -> float:
+    """How late past its slot a request may still go out: `LATE_FRACTION` of the interval between
+    slots, but at most half the room the spacing leaves. `ceil(per_second) + 1` requests span as
+    many intervals, a little over a second (`SPACING_MARGIN`); a first one sent later than that
+    span less a second would put them all in one second's window. At 20/s the quarter interval is
+    the smaller (13 ms of 50 ms of room); from 10/s down it is more than half the room (at 5/s,
+    more than all of it), and the other half is kept for the way from here to the target."""
+    interval = SPACING_MARGIN / per_second
+    room = math.ceil(per_second) * interval - 1.0
+    return min(LATE_FRACTION * interval, room / 2)
 
 
 @dataclass(frozen=True)
@@ -206,13 +219,12 @@ class TargetTraffic:
     def _too_late(self, slot: datetime) -> bool:
         """Whether a sender woke so late for its slot (a busy machine) that its request would reach
         the target close behind the next slot's: it takes a new slot instead. So a request goes
-        out within `LATE_FRACTION` of an interval after its slot, and no window of a second sees
-        more than the budget."""
+        out within `late_allowance` of its slot, and no window of a second sees more than the
+        budget."""
         limit = self.target.rate_limit
         if limit is None or limit.per_second is None:
             return False
-        late = (self.clock() - slot).total_seconds()
-        return late > LATE_FRACTION * SPACING_MARGIN / limit.per_second
+        return (self.clock() - slot).total_seconds() > late_allowance(limit.per_second)
 
     def _wait(self, until: datetime, bounds: JobBounds) -> bool:
         seconds = (until - self.clock()).total_seconds()

@@ -13,11 +13,12 @@ import sqlalchemy as sa
 import yaml
 
 from delivery.apply import apply_config
+from delivery.chain import Chain
 from delivery.clock import utcnow
 from delivery.config import parse_config
 from delivery.domain import ChainEnd
 from delivery.store.tables import breaker_states_table, target_traffic_table
-from delivery.traffic import TrafficListener
+from delivery.traffic import TargetTraffic, TrafficListener
 from tests.integration.world import RULE, World
 from tests.support.chains import drive
 from tests.target_server import Answer, TargetServer
@@ -169,3 +170,19 @@ def test_a_wait_that_would_outlast_the_job_ends_it_rate_limited(world: World, mo
     assert len(world.target.requests) == 1 and set(world.ledger()) == {"a"}
     # "b" was not sent, and its intent was taken back: the next chain sends it as new.
     assert world.ledger()["a"]["status"] == "delivered"
+
+
+@pytest.mark.parametrize(
+    ("per_second", "late_ms", "sent"), [(2, 40, False), (2, 20, True), (20, 10, True), (20, 15, False)]
+)
+def test_a_sender_that_wakes_too_late_for_its_slot_takes_a_new_one(
+    world: World, per_second: float, late_ms: int, sent: bool
+) -> None:
+    """At 2/s a quarter interval (131 ms) is more than the 50 ms the spacing leaves between
+    3 requests and a second: the allowance is half of that room, whatever the rate."""
+    world.apply(target={"rate_limit": {"per_second": per_second}})
+    slot = utcnow()
+    traffic = TargetTraffic(
+        world.engine, Chain(world.engine, RULE).rule.target, clock=lambda: slot + timedelta(milliseconds=late_ms)
+    )
+    assert traffic._too_late(slot) is not sent
