@@ -12,6 +12,10 @@ imports everything once and then forks a process per `run DATABASE_URL RULE` lin
 chain process writes `pid N`, then `open` once its chain is open (a kill is timed from there), then
 `done SECONDS ATTEMPTED ENDED_BY`; the server writes `exit STATUS` when that process is gone
 (`exit -9`: it was SIGKILLed).
+
+With `DELIVERY_TEST_SEND_LOG` set to a file, every request the target's traffic admits appends
+the wall-clock time it left the budget to that file (one line each; several processes may share
+the file): where the rate budget's promise is made (see `record_sends`).
 """
 
 from __future__ import annotations
@@ -23,11 +27,41 @@ import sys
 import threading
 import time
 import traceback
+from typing import Any
 
 from delivery import db
 from delivery import phase as phase_rule
 from delivery.chain import Chain
 from delivery.domain import BatchReport, ChainEnd, Phase
+from delivery.traffic import JobBounds, TargetTraffic
+
+SEND_LOG = "DELIVERY_TEST_SEND_LOG"
+
+
+def record_sends(path: str) -> None:
+    """Append to `path` the time each request leaves the target's budget (its admission, on a
+    thread or on the event loop). One `os.write` per line on an `O_APPEND` descriptor, so lines
+    from several threads and processes never interleave."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    admit, admit_async = TargetTraffic.admit, TargetTraffic.admit_async
+
+    def sent() -> None:
+        os.write(fd, f"{time.time():.6f}\n".encode())
+
+    def admitted(self: TargetTraffic, bounds: JobBounds) -> bool:
+        if admit(self, bounds):
+            sent()
+            return True
+        return False
+
+    async def admitted_async(self: TargetTraffic, bounds: JobBounds, off_loop: Any) -> bool:
+        if await admit_async(self, bounds, off_loop):
+            sent()
+            return True
+        return False
+
+    TargetTraffic.admit = admitted  # type: ignore[method-assign]
+    TargetTraffic.admit_async = admitted_async  # type: ignore[method-assign]
 
 
 def run_phase(chain: Chain, phase: Phase) -> tuple[ChainEnd | None, int]:
@@ -104,6 +138,8 @@ def run_chains(url: str, rules: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if os.environ.get(SEND_LOG):
+        record_sends(os.environ[SEND_LOG])
     if argv == ["--fork-server"]:
         fork_server()
     elif len(argv) > 2:
