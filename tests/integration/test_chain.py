@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from delivery.clock import utcnow
 from delivery.store.tables import chains_table, connections_table
-from tests.integration.world import RULE, World
+from tests.integration.world import REQUEST_TIMEOUT_SECONDS, RULE, World
 from tests.support.faults import scan_then_race
 from tests.target_server import Answer, TargetServer
 
@@ -105,6 +105,8 @@ def test_transient_and_rejected_writes_park_the_record_as_failed_and_the_job_car
 ) -> None:
     world.load("bad", "good")
     world.target.program(world.key("bad"), answer)
+    if answer.kind == "timeout":
+        world.set_timeout()
     before = utcnow()
     result = world.run()
     assert result["state"] == "COMPLETED"
@@ -233,8 +235,10 @@ def test_a_retried_create_carries_the_same_idempotency_key(world: World) -> None
     world.load("a")
     # The target creates the record but answers too late; the retry must not make a second copy.
     world.target.program(world.key("a"), Answer.timeout(1.5))
+    world.set_timeout()
     world.run()
     assert world.ledger()["a"]["status"] == "failed"
+    world.set_timeout(REQUEST_TIMEOUT_SECONDS)
     world.make_due()
     world.run()
     keys = [r.headers["idempotency-key"] for r in world.target.requests if r.method == "POST"]

@@ -20,7 +20,7 @@ from delivery.store import catalog, chains, ledger, requeue
 from delivery.store.tables import breaker_states_table, ledger_table, mirror_records_table
 from delivery.writers.base import Creates, Updates, Writer
 from delivery.writers.registry import register_writer, reset_registry
-from tests.integration.world import RULE, World
+from tests.integration.world import REQUEST_TIMEOUT_SECONDS, RULE, World
 from tests.target_server import Answer, TargetServer
 
 
@@ -241,7 +241,9 @@ def test_a_timeout_after_the_target_took_the_create_then_a_change_ends_with_the_
     world.load("c-1", name="First")
     # The target takes the create, but answers after the client (0.5 s) has given up.
     world.target.program(world.key("c-1"), Answer.timeout(1.0))
+    world.set_timeout()
     assert world.run()["scanned"]["failed"] == 1
+    world.set_timeout(REQUEST_TIMEOUT_SECONDS)
     deadline = time.monotonic() + 5
     while not world.target.records("contacts") and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -257,7 +259,9 @@ def test_a_requeued_exhausted_create_ends_with_the_latest_body(world: World) -> 
     world.apply(rule={"max_attempts": 1})
     world.load("c-1", name="First")
     world.target.program(world.key("c-1"), Answer.timeout(1.0))
+    world.set_timeout()
     assert world.run()["scanned"]["exhausted"] == 1
+    world.set_timeout(REQUEST_TIMEOUT_SECONDS)
     deadline = time.monotonic() + 5
     while not world.target.records("contacts") and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -45,7 +45,7 @@ from delivery.store.tables import (
 )
 from flows.cli import preview as cli_preview
 from flows.preview import artifact_key, delivery_preview
-from tests.integration.world import RULE, World
+from tests.integration.world import REQUEST_TIMEOUT_SECONDS, RULE, World
 from tests.support.chains import drive
 from tests.support.faults import close_route, open_breaker
 from tests.target_server import Answer, TargetServer
@@ -112,7 +112,9 @@ def every_case(world: World) -> World:
     target.program_remote(rows["flaky"]["remote_id"], Answer.timeout(1.0))
     target.program_remote(rows["later"]["remote_id"], Answer.status(500))
     world.load("gone", "flaky", "later", name="second")
+    world.set_timeout()  # for `flaky`'s answer to come too late
     drive(world.engine, RULE)
+    world.set_timeout(REQUEST_TIMEOUT_SECONDS)
     statuses = {k: r["status"] for k, r in world.ledger().items()}
     assert statuses == {
         "upd": "delivered",

@@ -161,7 +161,7 @@ def test_a_rate_budget_spaces_the_requests_of_concurrent_workers(world: World) -
 
 
 def test_a_wait_that_would_outlast_the_job_ends_it_rate_limited(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The job's deadline: 30 s of batch timeout less the request timeout (0.5 s) less 5 s of margin.
+    # The job's deadline: 30 s of batch timeout less the request timeout (5 s) less 5 s of margin.
     monkeypatch.setenv("DELIVERY_BATCH_TIMEOUT_SECONDS", "30")
     world.apply(target={"rate_limit": {"per_second": 0.02}}, rule={"concurrency": 1})
     world.load("a", "b")

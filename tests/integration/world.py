@@ -19,6 +19,11 @@ from flows.deliver_rule import run_now
 from tests.target_server import TargetServer
 
 RULE = "contacts-to-crm"
+#: The target's request timeout: long enough that a loaded 2-core machine (an event loop or a thread
+#: starved for half a second) never times out a request the test did not mean to.
+REQUEST_TIMEOUT_SECONDS = 5.0
+#: For a test whose subject is a timeout (`World.set_timeout`): `Answer.timeout(1.0)` outlasts it.
+SHORT_TIMEOUT_SECONDS = 0.5
 
 
 def email(external_id: str) -> str:
@@ -38,7 +43,7 @@ class World:
                     "driver": "rest",
                     "base_url": self.target.url,
                     "token_env": "CRM_TOKEN",
-                    "timeout_seconds": 0.5,
+                    "timeout_seconds": REQUEST_TIMEOUT_SECONDS,
                     "breaker": {"fail_max": 3, "reset_seconds": 60},
                     **(target or {}),
                 },
@@ -107,6 +112,15 @@ class World:
                 conn.execute(
                     sa.select(mirror_records_table.c.id).where(mirror_records_table.c.external_id == external_id)
                 ).scalar_one()
+            )
+
+    def set_timeout(self, seconds: float = SHORT_TIMEOUT_SECONDS) -> None:
+        """The target's request timeout from now on (the next chain's writer), other settings kept."""
+        from delivery.store.tables import connections_table
+
+        with self.engine.begin() as conn:
+            conn.execute(
+                connections_table.update().where(connections_table.c.name == "crm").values(timeout_seconds=seconds)
             )
 
     def set_driver(self, driver: str) -> None:
