@@ -33,7 +33,7 @@ from tests.support.chains import drive
 from tests.target_server import Answer, TargetServer
 
 SETTLES = ["grouped", "grouped-threads", "per_record"]
-#: Longer than the world's 0.5 s timeout: the target applies the write after the client gave up.
+#: Longer than this module's 0.5 s timeout: the target applies the write after the client gave up.
 LATE = 1.5
 
 
