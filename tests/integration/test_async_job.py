@@ -224,9 +224,7 @@ def test_a_third_partys_writer_delivers_on_the_path_its_verbs_ask_for(
     monkeypatch.setattr(SettleGroups.__init__, "__kwdefaults__", {"records": GROUP_RECORDS, "seconds": 3600.0})
     register_writer("third-party", writer)
     try:
-        world = World(engine, target).apply(
-            target={"settle": settle, "timeout_seconds": 10}, rule={"concurrency": 4, "batch_size": 200}
-        )
+        world = World(engine, target).apply(target={"settle": settle}, rule={"concurrency": 4, "batch_size": 200})
         world.set_driver("third-party")
         ids = [f"t{n:02d}" for n in range(30)]
         world.load(*ids)

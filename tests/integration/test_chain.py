@@ -262,7 +262,6 @@ def test_success_after_failure_resets_attempts_and_clears_the_error(world: World
 
 
 def test_drain_comes_before_scan(world: World) -> None:
-    world.apply(target={"timeout_seconds": 10})  # not about timeouts: a generous one, as the world's
     world.load("retry-me")
     world.target.program(world.key("retry-me"), Answer.status(500))
     world.run()

@@ -35,8 +35,7 @@ def world(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
 
 
 def _two_rules(world: World) -> None:
-    # Not about timeouts: a generous request timeout (0.5 s once parked a record on a loaded machine).
-    config = world.config(rule={"max_attempts": 1}, target={"timeout_seconds": 10})
+    config = world.config(rule={"max_attempts": 1})
     config["rules"].append({**config["rules"][0], "name": SECOND, "domain": "company", "collection": "companies"})
     with world.engine.begin() as conn:
         apply_config(conn, parse_config(yaml.safe_dump(config)))

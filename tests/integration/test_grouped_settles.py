@@ -35,10 +35,7 @@ def _ids(n: int) -> list[str]:
 def test_grouped_settles_commit_in_groups_and_each_record_gets_its_own_outcome(
     engine: sa.Engine, target: TargetServer, concurrency: int, job_path: str
 ) -> None:
-    # Not about timeouts: a generous request timeout (0.5 s once ended chains early under load).
-    world = World(engine, target).apply(
-        rule={"batch_size": 200, "concurrency": concurrency}, target={"timeout_seconds": 10}
-    )
+    world = World(engine, target).apply(rule={"batch_size": 200, "concurrency": concurrency})
     ids = _ids(120)
     world.load(*ids)
     with Commits(engine) as commits:

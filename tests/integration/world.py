@@ -116,19 +116,18 @@ class World:
 
     def set_timeout(self, seconds: float = SHORT_TIMEOUT_SECONDS) -> None:
         """The target's request timeout from now on (the next chain's writer), other settings kept."""
-        from delivery.store.tables import connections_table
-
-        with self.engine.begin() as conn:
-            conn.execute(
-                connections_table.update().where(connections_table.c.name == "crm").values(timeout_seconds=seconds)
-            )
+        self._update_target(timeout_seconds=seconds)
 
     def set_driver(self, driver: str) -> None:
         """What an uninstalled or changed driver looks like after the rule was saved."""
+        self._update_target(driver=driver)
+
+    def _update_target(self, **values: Any) -> None:
+        """Change the target connection's row in place, as if edited after the config was applied."""
         from delivery.store.tables import connections_table
 
         with self.engine.begin() as conn:
-            conn.execute(connections_table.update().where(connections_table.c.name == "crm").values(driver=driver))
+            conn.execute(connections_table.update().where(connections_table.c.name == "crm").values(**values))
 
     def rule_row(self, rule: str = RULE) -> dict[str, Any]:
         with self.engine.connect() as conn:
