@@ -99,9 +99,17 @@ def engine(db_url: str) -> sa.Engine:
 @pytest.fixture(scope="session")
 def _prefect_harness() -> Iterator[None]:
     """The real Prefect API on a test server, started once (it costs 15-20 s)."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    # No flow-run heartbeats in this process: a sync flow's engine joins its heartbeat thread on
+    # exit, and that thread sleeps in whole seconds, so every sync flow run (delivery-requeue) took
+    # at least 1 s. Nothing here reads Prefect's heartbeats; the chains' own heartbeats are in the
+    # database and untouched. `delivery` processes the tests start keep Prefect's default.
+    with (
+        temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
+        prefect_test_harness(server_startup_timeout=120),
+    ):
         yield
 
 

@@ -2,7 +2,8 @@
 
 Each run is a real `delivery serve` process, signalled at one moment of its life: as soon as its
 handler is in place, in the middle of Prefect's import (where the code before this test died of
-the default action: -15 for SIGTERM, 130 for SIGINT), when it announces the UI (it is registering
+the default action: -15 for SIGTERM, 130 for SIGINT), while the Prefect server it started is not
+yet answering (when it starts one), when it announces the UI (it is registering
 the deployments; there the old handler's KeyboardInterrupt, raised inside a class body Prefect was
 importing, came out as a RuntimeError and exit 1 now and then), when both deployments appear in
 the API (the moment of the original report), and at random delays spread over the start-up,
@@ -48,8 +49,10 @@ from tests.target_server import Answer, TargetServer
 DELIVERY = str(Path(sys.executable).parent / "delivery")
 MARK = "DELIVERY_SERVE_TEST_MARK"
 SERVED = ["deliver-rule", "delivery-preview", "delivery-requeue", "delivery-tick"]
-# Runs at random delays per way of serving, on top of the three aimed ones and the double signal.
-RANDOM_RUNS = 5
+# Runs at random delays per way of serving, on top of the aimed ones and the double signal: a
+# small budget in `make test` (each run with its own server costs 10-15 s), more under
+# `make fuzz` (HYPOTHESIS_PROFILE=fuzz), as the property-based tests do.
+RANDOM_RUNS = 8 if os.environ.get("HYPOTHESIS_PROFILE") == "fuzz" else 2
 START_TIMEOUT = 150.0
 EXIT_TIMEOUT = 90.0
 
@@ -175,7 +178,7 @@ class Served:
 class Shot:
     """When to signal a run, and how."""
 
-    at: str  # "handler" | "prefect import" | "ui" | "deployed" | "delay"
+    at: str  # "handler" | "prefect import" | "server" | "ui" | "deployed" | "delay"
     signum: signal.Signals
     delay: float = 0.0
     second_after: float | None = None  # a second signal this long after the first was announced
@@ -209,7 +212,12 @@ def _shoot(served: Served, shot: Shot) -> Outcome:
         # second or so before Prefect's import ends (the CLI's own imports do not load it).
         _wait(lambda: _maps(served.proc.pid, "orjson"), START_TIMEOUT, "Prefect's import", poll=0.005)
     handler_at = _wait(served.handler_installed, 30, "the signal handler") if shot.at != "prefect import" else 0.0
-    if shot.at == "ui":
+    if shot.at == "server":
+        # Its own server started and not yet answering (it takes seconds to): the phase no other
+        # aimed moment lands in, and the one random delays reached least often.
+        _wait(lambda: any("prefect server start" in line for line in _marked(served.token)), START_TIMEOUT,
+              "the Prefect server's process", poll=0.05)  # fmt: skip
+    elif shot.at == "ui":
         _wait(lambda: served.printed("Prefect UI:"), START_TIMEOUT, "the UI line")
     elif shot.at == "deployed":
         ready_after = _wait(served.deployed, START_TIMEOUT, "both deployments", poll=0.05) - handler_at
@@ -261,7 +269,7 @@ def existing_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Existi
         yield ExistingServer(api, home)
 
 
-def _plan(rng: random.Random, ready_after: float) -> list[Shot]:
+def _plan(rng: random.Random, ready_after: float, own_server: bool) -> list[Shot]:
     """The aimed moments, then random ones spread over [0, ready_after], one per slice."""
     signals = [signal.SIGTERM, signal.SIGINT]
     shots = [
@@ -270,12 +278,15 @@ def _plan(rng: random.Random, ready_after: float) -> list[Shot]:
         Shot("prefect import", signal.SIGINT),
         Shot("ui", signal.SIGTERM),
     ]
+    if own_server:
+        shots.append(Shot("server", signal.SIGINT))
     for i in range(RANDOM_RUNS):
         delay = (i + rng.random()) / RANDOM_RUNS * ready_after
         shots.append(Shot("delay", signals[i % 2], delay))
     return shots
 
 
+@pytest.mark.fuzz
 @pytest.mark.parametrize("way", ["own server", "existing server"])
 def test_serve_exits_0_and_leaves_nothing_whenever_the_signal_comes(
     way: str, request: pytest.FixtureRequest, tmp_path: Path
@@ -328,7 +339,7 @@ def test_serve_exits_0_and_leaves_nothing_whenever_the_signal_comes(
     outcomes = [run(Shot("deployed", signal.SIGTERM)), run(Shot("deployed", signal.SIGINT, second_after=0.05))]
     ready_after = outcomes[-1].ready_after
     assert ready_after is not None
-    outcomes += [run(shot) for shot in _plan(rng, ready_after)]
+    outcomes += [run(shot) for shot in _plan(rng, ready_after, own_server=existing is None)]
     failed = [f"{o}: {'; '.join(o.problems)}" for o in outcomes if o.problems]
     assert not failed, f"{way} (seed {seed}):\n" + "\n".join(failed)
     phases = {o.phase for o in outcomes}
