@@ -3,11 +3,17 @@ test harness lacks: schedules, lease repossession, deployments served by another
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
 import os
+import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +57,35 @@ def api_call(method: str, url: str, json: object = None, attempts: int = 5) -> A
     raise AssertionError("unreachable")
 
 
+@functools.cache
+def _migrated_database() -> Path:
+    """A Prefect database migrated once per test process (5-7 s of CPU each time it is done)."""
+    home = Path(tempfile.mkdtemp(prefix="prefect-template-"))
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)
+    subprocess.run(
+        [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+        env=env, check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return home / "prefect.db"
+
+
+def migrated_home(home: Path) -> Path:
+    """`home` as a PREFECT_HOME whose database is migrated already (a copy of one migrated once per
+    test process), unless it has a database of its own. A server on it starts in seconds; the
+    start-up on a new database is what `tests/acceptance/test_serve.py` checks."""
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / "prefect.db").exists():
+        with (
+            contextlib.closing(sqlite3.connect(_migrated_database())) as source,
+            contextlib.closing(sqlite3.connect(home / "prefect.db")) as copy,
+        ):
+            source.backup(copy)
+    return home
+
+
 def stop_group(process: subprocess.Popen[bytes]) -> None:
     """SIGTERM to the process group, SIGKILL after 30 s."""
     if process.poll() is None:
@@ -64,7 +99,9 @@ def stop_group(process: subprocess.Popen[bytes]) -> None:
 
 @contextmanager
 def prefect_server(home: Path, extra_env: dict[str, str] | None = None) -> Iterator[str]:
-    """Start a server with its own PREFECT_HOME, wait until it answers, yield its API URL, stop it."""
+    """Start a server with its own PREFECT_HOME (its database migrated already), wait until it
+    answers, yield its API URL, stop it."""
+    migrated_home(home)
     port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **(extra_env or {})}
     env.pop("PREFECT_API_URL", None)

@@ -25,7 +25,6 @@ import os
 import random
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -42,7 +41,7 @@ import sqlalchemy as sa
 
 from delivery import db
 from tests.integration.world import World, email
-from tests.prefect_server import api_call, free_port, healthy, prefect_server
+from tests.prefect_server import api_call, free_port, healthy, migrated_home, prefect_server
 from tests.support.databases import unique
 from tests.target_server import Answer, TargetServer
 
@@ -307,12 +306,7 @@ def test_serve_exits_0_and_leaves_nothing_whenever_the_signal_comes(
         env["PREFECT_API_URL"] = existing
     else:
         # A migrated database to start from: migrating a new one costs each local server 5-30 s.
-        (tmp_path / "prefect").mkdir()
-        with (
-            contextlib.closing(sqlite3.connect(server.home / "prefect.db")) as source,
-            contextlib.closing(sqlite3.connect(tmp_path / "prefect" / "prefect.db")) as copy,
-        ):
-            source.backup(copy)
+        migrated_home(tmp_path / "prefect")
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import pytest
 import sqlalchemy as sa
@@ -232,6 +232,23 @@ def test_without_a_repossessor_a_dead_holder_whose_release_fails_is_reset(
         assert waiter.acquired.wait(15), waiter.error
         assert calls == [lease]
         assert _active_slots(name) == 1
+
+
+def test_without_a_repossessor_a_dead_holders_lease_the_server_does_not_know_is_reset_at_once(
+    world: World, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded API keeps leases in the memory of the server process that granted them: a holder
+    killed with its own ephemeral server leaves the slot taken and a lease the next process's server
+    never knew. Releasing such a lease answers like a success and frees nothing; before, the waiter
+    took that for a freed slot and waited out the unaccounted-slot window (75 s) for a reset."""
+    _take(name)  # the slot stays taken: its lease lives on, apart from what the record names
+    token = _dead_holder(world, str(uuid4()))  # a lease this server never granted
+    monkeypatch.setattr(flows.lock, "server_repossesses_leases", lambda: False)
+    with Waiter(Chain(world.engine, RULE)) as waiter:
+        assert waiter.acquired.wait(15), waiter.error
+    with world.engine.connect() as conn:
+        dead = conn.execute(sa.select(tables.chains_table).where(tables.chains_table.c.token == token)).one()
+    assert dead.ended_by == "superseded" and "its slot was reset" in dead.message, dead.message
 
 
 def test_the_harness_server_runs_no_repossessor_and_a_real_server_does(prefect_api: None) -> None:
