@@ -155,10 +155,27 @@ async def _reset(name: str) -> None:
         await client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
 
 
+#: A release answered 5xx is sent this many times in all. A Prefect server on SQLite (the embedded
+#: API, a local `prefect server start`) answers 500 "database is locked" now and then under load,
+#: and Prefect's client sends a 500 only once: a slot not given back stays taken until its lease
+#: expires (60 s), and on the embedded API until a waiter judges it lost (75 s).
+RELEASE_ATTEMPTS = 3
+
+
 async def release_lease(lease_id: UUID) -> None:
-    """Free the slot `lease_id` took; a lease already gone is no error (the API answers alike)."""
+    """Free the slot `lease_id` took; a lease already gone is no error (the API answers alike).
+    Sending it again is safe: the server frees the slot and forgets the lease only once the
+    transaction that frees it has committed, and a lease it forgot frees nothing more."""
     async with get_client() as client:
-        await client.release_concurrency_slots_with_lease(lease_id=lease_id)
+        for attempt in range(1, RELEASE_ATTEMPTS + 1):
+            try:
+                await client.release_concurrency_slots_with_lease(lease_id=lease_id)
+                return
+            except httpx.HTTPStatusError as exc:
+                if exc.response.status_code < 500 or attempt == RELEASE_ATTEMPTS:
+                    raise
+                log.info("releasing lease %s answered %s; trying again", lease_id, exc.response.status_code)
+            await asyncio.sleep(0.5 * attempt)
 
 
 async def _release(lease_id: str) -> bool:

@@ -299,9 +299,9 @@ def test_serve_exits_0_and_leaves_nothing_whenever_the_signal_comes(
         "COLUMNS": "200",
     }
     env.pop("PREFECT_API_URL", None)
-    server: ExistingServer = request.getfixturevalue("existing_server")
     existing = None
     if way == "existing server":
+        server: ExistingServer = request.getfixturevalue("existing_server")
         existing = server.api
         env["PREFECT_API_URL"] = existing
     else:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 from uuid import UUID, uuid4
 
+import httpx
 import pytest
 import sqlalchemy as sa
 
@@ -257,6 +258,35 @@ def test_the_harness_server_runs_no_repossessor_and_a_real_server_does(prefect_a
     assert flows.lock.server_repossesses_leases() is False  # the harness: an ephemeral-mode server
     with temporary_settings(updates={PREFECT_API_URL: "http://prefect.example:4200/api"}):
         assert flows.lock.server_repossesses_leases() is True
+
+
+def test_a_release_answered_500_is_sent_again_and_frees_the_slot(
+    world: World, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Prefect server on SQLite answers 500 "database is locked" now and then under load, and
+    Prefect's client does not send a 500 again: before, the job's slot stayed taken with nobody on
+    record, and the rule's next chain waited 75 s on the embedded API for a waiter to reset it."""
+    from prefect.client.orchestration import PrefectClient
+
+    release = PrefectClient.release_concurrency_slots_with_lease
+    answers: list[int] = []
+
+    async def locked_once(self: PrefectClient, *args: Any, **kwargs: Any) -> Any:
+        if not answers:
+            answers.append(500)
+            request = httpx.Request("POST", "http://prefect.test/api/v2/concurrency_limits/decrement-with-lease")
+            response = httpx.Response(500, request=request, text="database is locked")
+            raise httpx.HTTPStatusError("500 Internal Server Error", request=request, response=response)
+        answers.append(204)
+        return await release(self, *args, **kwargs)
+
+    monkeypatch.setattr(PrefectClient, "release_concurrency_slots_with_lease", locked_once)
+    with Waiter(Chain(world.engine, RULE)) as waiter:
+        assert waiter.acquired.wait(15), waiter.error
+        assert _active_slots(name) == 1
+    assert waiter.error is None, waiter.error
+    assert answers == [500, 204]
+    assert _active_slots(name) == 0
 
 
 # -- acquiring never loses a granted slot ------------------------------------------------------------
