@@ -190,12 +190,9 @@ async def _release(lease_id: str) -> bool:
         async with get_client() as client:
             await client.renew_concurrency_lease(lease_id=UUID(lease_id), lease_duration=liveness.LEASE_SECONDS)
         await release_lease(UUID(lease_id))
-    except httpx.HTTPStatusError as exc:
-        if exc.response.status_code not in (404, 410):
+    except Exception as exc:  # a lease the API does not hold (410), or the API did not answer
+        if not (isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code in (404, 410)):
             log.warning("could not release lease %s: %s", lease_id, exc)
-        return False
-    except Exception as exc:  # e.g. the API did not answer
-        log.warning("could not release lease %s: %s", lease_id, exc)
         return False
     return True
 
