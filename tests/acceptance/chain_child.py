@@ -15,7 +15,8 @@ chain process writes `pid N`, then `open` once its chain is open (a kill is time
 
 With `DELIVERY_TEST_SEND_LOG` set to a file, every request the target's traffic admits appends
 the wall-clock time it left the budget to that file (one line each; several processes may share
-the file): where the rate budget's promise is made (see `record_sends`).
+the file): where the rate budget's promise is made (see `record_sends`). A slot its sender woke
+too late for (a busy machine), and so gave up for a new one, appends `late TIME`.
 """
 
 from __future__ import annotations
@@ -43,10 +44,16 @@ def record_sends(path: str) -> None:
     thread or on the event loop). One `os.write` per line on an `O_APPEND` descriptor, so lines
     from several threads and processes never interleave."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    admit, admit_async = TargetTraffic.admit, TargetTraffic.admit_async
+    admit, admit_async, too_late = TargetTraffic.admit, TargetTraffic.admit_async, TargetTraffic._too_late
 
     def sent() -> None:
         os.write(fd, f"{time.time():.6f}\n".encode())
+
+    def missed(self: TargetTraffic, slot: Any) -> bool:
+        if too_late(self, slot):
+            os.write(fd, f"late {time.time():.6f}\n".encode())
+            return True
+        return False
 
     def admitted(self: TargetTraffic, bounds: JobBounds) -> bool:
         if admit(self, bounds):
@@ -62,6 +69,7 @@ def record_sends(path: str) -> None:
 
     TargetTraffic.admit = admitted  # type: ignore[method-assign]
     TargetTraffic.admit_async = admitted_async  # type: ignore[method-assign]
+    TargetTraffic._too_late = missed  # type: ignore[method-assign]
 
 
 def run_phase(chain: Chain, phase: Phase) -> tuple[ChainEnd | None, int]:
