@@ -17,7 +17,6 @@ from delivery.errors import TargetUnavailable
 from delivery.store import catalog
 from delivery.store.breaker import DatabaseBreakerStorage
 from tests.integration.world import RULE, World
-from tests.target_server import TargetServer
 
 
 def _breaker(engine: sa.Engine, connection_id: int) -> pybreaker.CircuitBreaker:
@@ -50,11 +49,6 @@ def test_breaker_state_is_shared_by_two_engine_instances(engine: sa.Engine, db_u
         assert mine.current_state == "closed" and mine.call(lambda: 42) == 42
     finally:
         other_engine.dispose()
-
-
-@pytest.fixture
-def world(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
-    return World(engine, target).apply()
 
 
 def test_a_breaker_tripped_by_one_rule_stops_another_rule_on_the_same_target(world: World) -> None:
@@ -102,6 +96,7 @@ async def _flow_run(flow_run_id: str) -> tuple[str, list[str], list[dict]]:  # t
     return run.name, list(run.tags), [{"key": a.key, "data": a.data, "description": a.description} for a in artifacts]
 
 
+@pytest.mark.through_prefect
 def test_flow_run_is_named_and_tagged_and_publishes_a_summary_artifact(world: World) -> None:
     world.load("a", "b")
     result = world.run()
@@ -115,6 +110,7 @@ def test_flow_run_is_named_and_tagged_and_publishes_a_summary_artifact(world: Wo
     assert delivered == {"outcome": "delivered", "drained": 0, "scanned": 2, "total": 2}
 
 
+@pytest.mark.through_prefect
 def test_failed_chain_still_publishes_its_artifact_and_state_message(world: World) -> None:
     world.load("a")
     world.set_driver("soap")

@@ -1,5 +1,7 @@
-"""The delivery chain through the real `deliver-rule` flow, on SQLite and PostgreSQL, against a
-real local HTTP target: every row of the design's two fault tables, drain before scan, the cursor."""
+"""The delivery chain on SQLite and PostgreSQL against a real local HTTP target: every row of the
+design's two fault tables, drain before scan, the cursor. The engine's behaviour is driven without
+Prefect; what the `deliver-rule` flow adds (its run's states and record, its logs, the batch
+timeout) runs through the real flow, in the tests marked `through_prefect`."""
 
 from __future__ import annotations
 
@@ -16,11 +18,6 @@ from tests.support.faults import scan_then_race
 from tests.target_server import Answer, TargetServer
 
 
-@pytest.fixture
-def world(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
-    return World(engine, target).apply()
-
-
 def posts(target: TargetServer) -> list[str]:
     return [r.key for r in target.requests if r.method == "POST"]
 
@@ -28,6 +25,7 @@ def posts(target: TargetServer) -> list[str]:
 # -- success, suppression, re-offering --------------------------------------------------------
 
 
+@pytest.mark.through_prefect
 def test_creates_then_updates_by_remote_id_and_a_caught_up_rule_sends_nothing(world: World) -> None:
     world.load("a", "b")
     result = world.run()
@@ -322,6 +320,7 @@ def test_scan_pages_through_batches_and_the_cursor_lands_on_the_last_record(worl
 # -- rule faults that return: route closed, breaker open --------------------------------------
 
 
+@pytest.mark.through_prefect
 @pytest.mark.parametrize(("connection", "status"), [("shop", "disabled"), ("crm", "error")])
 def test_closed_route_completes_writes_nothing_and_names_the_connection(
     world: World, connection: str, status: str
@@ -335,6 +334,7 @@ def test_closed_route_completes_writes_nothing_and_names_the_connection(
     assert world.ledger() == {} and world.target.requests == [] and world.cursor() is None
 
 
+@pytest.mark.through_prefect
 def test_open_breaker_ends_the_chain_completed_and_leaves_the_connection_alone(world: World) -> None:
     world.load(*[f"r{n}" for n in range(6)])
     world.target.down = True
@@ -365,6 +365,7 @@ def test_breaker_ignores_record_rejections(world: World) -> None:
 # -- rule faults that raise --------------------------------------------------------------------
 
 
+@pytest.mark.through_prefect
 def test_missing_writer_fails_the_chain_and_writes_nothing(world: World) -> None:
     world.load("a")
     world.set_driver("soap")
@@ -424,6 +425,7 @@ def test_candidate_the_scan_should_never_return_fails_the_chain(world: World, mo
 # -- secrets -------------------------------------------------------------------------------------
 
 
+@pytest.mark.through_prefect
 def test_the_token_never_reaches_ledger_errors_reports_or_logs(world: World, caplog: pytest.LogCaptureFixture) -> None:
     world.load("a")
     world.target.program(world.key("a"), Answer.echo_headers(422))
@@ -440,6 +442,7 @@ def test_the_token_never_reaches_ledger_errors_reports_or_logs(world: World, cap
     assert token not in dump
 
 
+@pytest.mark.through_prefect
 def test_missing_token_variable_fails_the_chain(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     world.load("a")
     monkeypatch.delenv("CRM_TOKEN")
@@ -448,6 +451,7 @@ def test_missing_token_variable_fails_the_chain(world: World, monkeypatch: pytes
     assert world.ledger() == {}
 
 
+@pytest.mark.through_prefect
 def test_chain_is_recorded_with_its_flow_run(world: World) -> None:
     world.load("a")
     result = world.run()
@@ -458,6 +462,7 @@ def test_chain_is_recorded_with_its_flow_run(world: World) -> None:
     assert world.rule_row()["chain_token"] == row["token"]
 
 
+@pytest.mark.through_prefect
 def test_a_batch_that_overruns_its_timeout_fails_the_chain(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DELIVERY_BATCH_TIMEOUT_SECONDS", "1")
     world.load(*[f"r{n}" for n in range(6)])

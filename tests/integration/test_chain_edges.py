@@ -24,11 +24,6 @@ from tests.integration.world import REQUEST_TIMEOUT_SECONDS, RULE, World
 from tests.target_server import Answer, TargetServer
 
 
-@pytest.fixture
-def world(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
-    return World(engine, target).apply()
-
-
 def _ledger_snapshot(world: World) -> list[tuple[Any, ...]]:
     with world.engine.connect() as conn:
         return [tuple(row) for row in conn.execute(sa.select(ledger_table).order_by(ledger_table.c.id))]
@@ -321,7 +316,7 @@ def test_an_unexpected_writer_exception_is_a_rule_fault_that_does_not_count_agai
 
 
 def test_a_body_the_writer_cannot_encode_is_exhausted_at_once_and_the_rule_goes_on(
-    prefect_api: None, target: TargetServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    target: TargetServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # NaN can be stored only where the database takes it (PostgreSQL's json refuses it): a payload
     # loaded before `mirror load` refused NaN, or written by another program.
@@ -329,7 +324,7 @@ def test_a_body_the_writer_cannot_encode_is_exhausted_at_once_and_the_rule_goes_
 
     url = f"sqlite:///{tmp_path / 'nan.db'}"
     monkeypatch.setenv(db.DATABASE_URL_ENV, url)
-    world = World(db.shared_engine(url), target).apply()
+    world = World(db.shared_engine(url), target, through_prefect=False).apply()
     try:
         world.load("c-1", "c-3")
         world.load("c-2")

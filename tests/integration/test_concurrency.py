@@ -7,13 +7,13 @@ import pytest
 import sqlalchemy as sa
 
 from tests.integration.world import World
-from tests.target_server import Answer, TargetServer
+from tests.target_server import Answer
 
 
 @pytest.fixture
-def world(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
+def world(world: World) -> World:
     # A generous client timeout: eight writes at once on a loaded 2-core CI machine must not time out.
-    return World(engine, target).apply(rule={"concurrency": 8, "batch_size": 20}, target={"timeout_seconds": 10})
+    return world.apply(rule={"concurrency": 8, "batch_size": 20}, target={"timeout_seconds": 10})
 
 
 def test_parallel_writes_deliver_each_record_once_and_park_faults_per_record(world: World) -> None:

@@ -9,21 +9,20 @@ from typing import Any
 from uuid import UUID
 
 import pytest
-import sqlalchemy as sa
 
 from delivery.clock import utcnow
 from delivery.store.mirror import record_digest, source_id
 from delivery.store.tables import mirror_records_table
 from tests.integration.world import World, email
-from tests.target_server import Answer, TargetServer
+from tests.target_server import Answer
 
 OVERLAP_SECONDS = 300
 
 
 @pytest.fixture
-def world(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
+def world(world: World) -> World:
     # fail_max 3, batch_size 10, max_attempts 3 (World's defaults); the window is set here on purpose.
-    return World(engine, target).apply(rule={"overlap_seconds": OVERLAP_SECONDS})
+    return world.apply(rule={"overlap_seconds": OVERLAP_SECONDS})
 
 
 def _payload(external_id: str, name: str) -> dict[str, Any]:
@@ -117,6 +116,7 @@ async def _subflows(flow_run_id: str) -> list[str]:
         return sorted([(await client.read_flow(run.flow_id)).name for run in runs])
 
 
+@pytest.mark.through_prefect  # which subflows ran
 def test_a_breaker_trip_during_the_drain_keeps_the_scan_from_running(world: World) -> None:
     due = [f"due-{n}" for n in range(5)]
     world.load(*due)

@@ -1,6 +1,6 @@
 """Putting parked records back (`delivery requeue`, `delivery.store.requeue`) and the operator's
-overview (`delivery status`), on SQLite and PostgreSQL. Records are parked and delivered by the
-real deliver-rule flow against the real local HTTP target; the CLI runs in process (CliRunner on
+overview (`delivery status`), on SQLite and PostgreSQL. Records are parked and delivered by real
+chains (driven without Prefect) against the real local HTTP target; the CLI runs in process (CliRunner on
 `flows.cli.app`; refusals through `flows.cli.main`, which turns them into exit 2)."""
 
 from __future__ import annotations
@@ -64,11 +64,6 @@ def history_count(engine: sa.Engine) -> int:
 
 def posts_for(target: TargetServer, key: str) -> list[str]:
     return [r.headers["idempotency-key"] for r in target.requests if r.method == "POST" and r.key == key]
-
-
-@pytest.fixture
-def world(prefect_api: None, engine: sa.Engine, target: TargetServer) -> World:
-    return World(engine, target).apply()
 
 
 @pytest.fixture

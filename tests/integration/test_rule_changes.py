@@ -79,17 +79,10 @@ def creates_keys(target: TargetServer, external_id: str) -> list[str]:
     return [r.headers["idempotency-key"] for r in target.requests_for(email(external_id)) if r.method == "POST"]
 
 
-@pytest.fixture
-def world(engine: sa.Engine, target: TargetServer) -> World:
-    return World(engine, target).apply()
-
-
 # -- point 1: a rule moved to another source, domain or target ----------------------------------
 
 
-def test_a_rule_moved_to_a_new_source_retires_the_old_rows_and_delivers_the_new_source(
-    prefect_api: None, world: World
-) -> None:
+def test_a_rule_moved_to_a_new_source_retires_the_old_rows_and_delivers_the_new_source(world: World) -> None:
     world.target.program(email("c-1"), Answer.status(500))
     world.load("c-1", "c-2")
     first = world.run()
@@ -125,7 +118,7 @@ def test_a_rule_moved_to_a_new_source_retires_the_old_rows_and_delivers_the_new_
     assert world.rule_row()["key_epoch"] == 1
 
 
-def test_the_new_sources_record_does_not_send_the_old_records_idempotency_key(prefect_api: None, world: World) -> None:
+def test_the_new_sources_record_does_not_send_the_old_records_idempotency_key(world: World) -> None:
     world.load("c-1")
     world.run()
     apply(world.engine, moved_to_shop2(world))
@@ -142,9 +135,7 @@ def test_the_new_sources_record_does_not_send_the_old_records_idempotency_key(pr
     assert world.ledger()["c-1"]["remote_id"] != rows(world.engine, retired_ledger_rows_table)[0]["remote_id"]
 
 
-def test_a_rule_moved_to_another_target_creates_there_instead_of_patching_old_remote_ids(
-    prefect_api: None, world: World
-) -> None:
+def test_a_rule_moved_to_another_target_creates_there_instead_of_patching_old_remote_ids(world: World) -> None:
     world.load("a")
     world.run()
     old_remote = world.ledger()["a"]["remote_id"]

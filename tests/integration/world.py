@@ -16,6 +16,7 @@ from delivery.store import catalog, ledger
 from delivery.store.mirror import load_records
 from delivery.store.tables import ledger_table, mirror_records_table, rules_table
 from flows.deliver_rule import run_now
+from tests.support import chains
 from tests.target_server import TargetServer
 
 RULE = "contacts-to-crm"
@@ -31,9 +32,13 @@ def email(external_id: str) -> str:
 
 
 class World:
-    def __init__(self, engine: sa.Engine, target: TargetServer) -> None:
+    """`through_prefect`: whether `run` runs the `deliver-rule` flow (on the session's Prefect API) or
+    drives the chain in this process without Prefect, for tests of the engine's behaviour alone."""
+
+    def __init__(self, engine: sa.Engine, target: TargetServer, *, through_prefect: bool = True) -> None:
         self.engine = engine
         self.target = target
+        self.through_prefect = through_prefect
 
     def config(self, *, target: dict[str, Any] | None = None, rule: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
@@ -78,7 +83,8 @@ class World:
             load_records(conn, "shop", domain, items)
 
     def run(self, rule: str = RULE) -> dict[str, Any]:
-        return run_now(rule)
+        """One chain of `rule`, summarised as `delivery run --json` prints it."""
+        return run_now(rule) if self.through_prefect else chains.run(self.engine, rule)
 
     def ledger(self, rule: str = RULE) -> dict[str, dict[str, Any]]:
         with self.engine.connect() as conn:
