@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from hypothesis import settings as hypothesis_settings
 from delivery import chain as chain_module
 from delivery import db
 from delivery.store.tables import metadata
+from tests.prefect_server import TEMPLATE_ENV, copy_database
 from tests.support.databases import create_postgres_database, drop_postgres_database
 from tests.target_server import TargetServer
 
@@ -66,6 +68,14 @@ SLOWEST_FIRST = (
     "test_two_workers",
     "test_cli_input_limits",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The process that starts the run (not an xdist worker) picks where the run's migrated Prefect
+    # database will lie; its workers inherit the variable (tests/prefect_server.migrated_database).
+    if not hasattr(config, "workerinput") and TEMPLATE_ENV not in os.environ:
+        os.environ[TEMPLATE_ENV] = tempfile.mkdtemp(prefix="delivery-prefect-template-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(TEMPLATE_ENV), ignore_errors=True))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -147,6 +157,7 @@ def engine(db_url: str) -> sa.Engine:
 @pytest.fixture(scope="session")
 def _prefect_harness() -> Iterator[None]:
     """The real Prefect API on a test server, started once (it costs 15-20 s)."""
+    import prefect.testing.utilities
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
@@ -156,9 +167,21 @@ def _prefect_harness() -> Iterator[None]:
     # database and untouched. `delivery` processes the tests start keep Prefect's default.
     with (
         temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
-        prefect_test_harness(server_startup_timeout=120),
+        pytest.MonkeyPatch.context() as patch,
     ):
-        yield
+        # The harness starts its server on a new database in a directory of its own: one migrated
+        # already (the run's copy) spares each xdist worker 7 s of CPU. Prefect's own names: should
+        # `mkdtemp` go from that module, setattr fails loudly; should the file's name change, the
+        # harness migrates a new database itself, as before.
+        patch.setattr(prefect.testing.utilities, "mkdtemp", _harness_directory)
+        with prefect_test_harness(server_startup_timeout=120):
+            yield
+
+
+def _harness_directory() -> str:
+    directory = tempfile.mkdtemp(prefix="prefect-harness-")
+    copy_database(Path(directory) / "prefect-test.db")
+    return directory
 
 
 @pytest.fixture

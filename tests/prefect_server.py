@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import functools
 import os
 import shutil
@@ -57,19 +58,44 @@ def api_call(method: str, url: str, json: object = None, attempts: int = 5) -> A
     raise AssertionError("unreachable")
 
 
+#: Where the migrated Prefect database of this test run lies: set once by the process that starts
+#: the run (`tests/conftest.py`), inherited by its xdist workers, removed when the run ends.
+TEMPLATE_ENV = "DELIVERY_TEST_PREFECT_TEMPLATE"
+
+
 @functools.cache
-def _migrated_database() -> Path:
-    """A Prefect database migrated once per test process (5-7 s of CPU each time it is done)."""
-    home = Path(tempfile.mkdtemp(prefix="prefect-template-"))
-    atexit.register(shutil.rmtree, home, ignore_errors=True)
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)
-    env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)
-    subprocess.run(
-        [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
-        env=env, check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
-    return home / "prefect.db"
+def migrated_database() -> Path:
+    """A Prefect database migrated once per test run (12 s of CPU each time it is done): the first
+    process to need it migrates it, under a lock the others wait on, and every server copies it."""
+    shared = os.environ.get(TEMPLATE_ENV)
+    if shared is None:  # a test module run on its own, without the suite's conftest
+        shared = tempfile.mkdtemp(prefix="prefect-template-")
+        atexit.register(shutil.rmtree, shared, ignore_errors=True)
+    directory = Path(shared)
+    directory.mkdir(parents=True, exist_ok=True)
+    database = directory / "prefect.db"
+    with (directory / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not database.exists():
+            home = Path(tempfile.mkdtemp(prefix="home-", dir=directory))
+            env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+            env.pop("PREFECT_API_URL", None)
+            env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)
+            subprocess.run(
+                [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+                env=env, check=True, capture_output=True, timeout=300,
+            )  # fmt: skip
+            (home / "prefect.db").rename(database)  # whole, or not there: a waiter never copies half
+    return database
+
+
+def copy_database(to: Path) -> None:
+    """The run's migrated Prefect database copied to `to` (SQLite's backup: a consistent copy)."""
+    with (
+        contextlib.closing(sqlite3.connect(migrated_database())) as source,
+        contextlib.closing(sqlite3.connect(to)) as copy,
+    ):
+        source.backup(copy)
 
 
 def migrated_home(home: Path) -> Path:
@@ -78,11 +104,7 @@ def migrated_home(home: Path) -> Path:
     start-up on a new database is what `tests/acceptance/test_serve.py` checks."""
     home.mkdir(parents=True, exist_ok=True)
     if not (home / "prefect.db").exists():
-        with (
-            contextlib.closing(sqlite3.connect(_migrated_database())) as source,
-            contextlib.closing(sqlite3.connect(home / "prefect.db")) as copy,
-        ):
-            source.backup(copy)
+        copy_database(home / "prefect.db")
     return home
 
 
