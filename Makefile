@@ -17,7 +17,7 @@ install: $(STAMP)
 ## The whole suite, on SQLite and on PostgreSQL (DELIVERY_TEST_POSTGRES_URL, default the local server).
 ## Three workers, a test module each at a time (the slowest modules first, tests/conftest.py): on two
 ## cores two workers left a third of the CPU idle while tests waited on leases, timeouts and servers
-## starting; three keep it busy (17.5 minutes with coverage here, against 21 with two).
+## starting; three keep it busy. Where the time goes: docs/design.md, section 11.
 ## It ends with the line coverage of `delivery` and `flows` (pytest-cov; files fully covered are left
 ## out of the table, the TOTAL line is the figure). Code run in a subprocess the tests start
 ## (`delivery serve`, the console script) is not counted. The data file is kept in .venv, out of git.

@@ -51,21 +51,22 @@ hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 #: each xdist worker takes a whole module at a time, in collection order, so a long module
 #: collected last leaves one worker running it alone while the others sit idle at the end.
 SLOWEST_FIRST = (
-    "test_exclusivity",
     "test_kill_settles",
+    "test_exclusivity",
     "test_warm_worker",
-    "test_tick_missing_alert",
-    "test_chain",
     "test_cli",
     "test_unknown_outcomes_cli",
-    "test_serve_signals",
-    "test_grouped_settles",
-    "test_requeue_flow",
-    "test_tick_server",
     "test_cli_run_idle",
+    "test_serve_signals",
+    "test_cli_fuzz",
+    "test_tick_server",
     "test_requeue_and_secrets_on_a_server",
-    "test_two_workers",
     "test_cli_input_limits",
+    "test_grouped_settles",
+    "test_chain",
+    "test_two_workers",
+    "test_tick_missing_alert",
+    "test_demo",
 )
 
 
