@@ -373,6 +373,14 @@ def test_missing_writer_fails_the_chain_and_writes_nothing(world: World) -> None
     assert result["state"] == "FAILED" and result["ended_by"] == "rule_fault"
     assert "MissingWriter" in result["message"] and "soap" in result["message"] and RULE in result["message"]
     assert world.ledger() == {} and world.target.requests == []
+    # The summary of a failed chain, as tests/support/chains.run builds it from the chain's report.
+    with world.engine.connect() as conn:
+        report = conn.execute(sa.select(chains_table.c.report)).scalar_one()
+    assert {key: value for key, value in result.items() if key != "flow_run_id"} == {
+        "rule": RULE,
+        "state": "FAILED",
+        **report,
+    }
 
 
 def test_writer_without_the_needed_verb_fails_the_chain_and_leaves_the_cursor(world: World) -> None:
@@ -460,6 +468,9 @@ def test_chain_is_recorded_with_its_flow_run(world: World) -> None:
     assert row["flow_run_id"] == result["flow_run_id"] and row["ended_by"] == "caught_up"
     assert isinstance(row["report"], dict) and row["report"]["counts"]["delivered"] == 1
     assert world.rule_row()["chain_token"] == row["token"]
+    # What the tests that run chains without Prefect get (tests/support/chains.run) is this summary.
+    summary = {key: value for key, value in result.items() if key != "flow_run_id"}
+    assert summary == {"rule": RULE, "state": "COMPLETED", **row["report"]}
 
 
 @pytest.mark.through_prefect
