@@ -28,12 +28,13 @@ from delivery.domain import ChainEnd
 from delivery.errors import Unauthorized
 from delivery.store import ledger
 from delivery.store.tables import breaker_states_table, ledger_table
-from tests.integration.world import RULE, SHORT_TIMEOUT_SECONDS, World, email
+from tests.integration.world import REQUEST_TIMEOUT_SECONDS, RULE, SHORT_TIMEOUT_SECONDS, World, email
 from tests.support.chains import drive
 from tests.target_server import Answer, TargetServer
 
 SETTLES = ["grouped", "grouped-threads", "per_record"]
-#: Longer than this module's 0.5 s timeout: the target applies the write after the client gave up.
+#: Longer than the short timeout (`SHORT_TIMEOUT_SECONDS`, 0.5 s): the target applies the write
+#: after the client gave up.
 LATE = 1.5
 
 
@@ -56,8 +57,11 @@ def settles_die(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def world_for(engine: sa.Engine, target: TargetServer, settle: str, **rule: Any) -> World:
     """`settle` "grouped-threads": grouped, sent from threads (as a writer with only sync verbs
-    is) instead of the `rest` writer's event loop."""
-    target_options = {"settle": settle_mode(settle), "timeout_seconds": SHORT_TIMEOUT_SECONDS}
+    is) instead of the `rest` writer's event loop. The target's timeout is the generous one; a
+    test whose subject is a late answer shortens it first (`World.set_timeout`): a loaded machine
+    once timed out a test's first create at 0.5 s, the record was then a failed row the next
+    chain's scan left alone, and nothing was settled."""
+    target_options = {"settle": settle_mode(settle), "timeout_seconds": REQUEST_TIMEOUT_SECONDS}
     return World(engine, target).apply(target=target_options, rule=rule or None)
 
 
@@ -112,6 +116,7 @@ def test_an_update_answered_late_then_reverted_is_sent_again(
     remote_id = world.ledger()["a"]["remote_id"]
 
     world.load("a", name="B")
+    world.set_timeout(SHORT_TIMEOUT_SECONDS)
     target.program_remote(remote_id, Answer.timeout(LATE))
     drive(engine, RULE)
     row = world.ledger()["a"]
