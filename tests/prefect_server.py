@@ -3,12 +3,10 @@ test harness lacks: schedules, lease repossession, deployments served by another
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import fcntl
 import functools
 import os
-import shutil
 import signal
 import socket
 import sqlite3
@@ -67,12 +65,7 @@ TEMPLATE_ENV = "DELIVERY_TEST_PREFECT_TEMPLATE"
 def migrated_database() -> Path:
     """A Prefect database migrated once per test run (12 s of CPU each time it is done): the first
     process to need it migrates it, under a lock the others wait on, and every server copies it."""
-    shared = os.environ.get(TEMPLATE_ENV)
-    if shared is None:  # a test module run on its own, without the suite's conftest
-        shared = tempfile.mkdtemp(prefix="prefect-template-")
-        atexit.register(shutil.rmtree, shared, ignore_errors=True)
-    directory = Path(shared)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = Path(os.environ[TEMPLATE_ENV])  # set by tests/conftest.py before any test runs
     database = directory / "prefect.db"
     with (directory / "lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -28,7 +28,7 @@ from delivery.domain import ChainEnd
 from delivery.errors import Unauthorized
 from delivery.store import ledger
 from delivery.store.tables import breaker_states_table, ledger_table
-from tests.integration.world import REQUEST_TIMEOUT_SECONDS, RULE, SHORT_TIMEOUT_SECONDS, World, email
+from tests.integration.world import RULE, SHORT_TIMEOUT_SECONDS, World, email
 from tests.support.chains import drive
 from tests.target_server import Answer, TargetServer
 
@@ -57,12 +57,11 @@ def settles_die(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def world_for(engine: sa.Engine, target: TargetServer, settle: str, **rule: Any) -> World:
     """`settle` "grouped-threads": grouped, sent from threads (as a writer with only sync verbs
-    is) instead of the `rest` writer's event loop. The target's timeout is the generous one; a
+    is) instead of the `rest` writer's event loop. The target keeps World's generous timeout; a
     test whose subject is a late answer shortens it first (`World.set_timeout`): a loaded machine
     once timed out a test's first create at 0.5 s, the record was then a failed row the next
     chain's scan left alone, and nothing was settled."""
-    target_options = {"settle": settle_mode(settle), "timeout_seconds": REQUEST_TIMEOUT_SECONDS}
-    return World(engine, target).apply(target=target_options, rule=rule or None)
+    return World(engine, target).apply(target={"settle": settle_mode(settle)}, rule=rule or None)
 
 
 def settle_mode(settle: str) -> str:
