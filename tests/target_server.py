@@ -289,6 +289,9 @@ class TargetServer:
         # Set on stop so handlers sleeping for latency/timeout answers abandon
         # their request instead of keeping a daemon thread busy after the test.
         self._stopping = threading.Event()
+        # Cleared while the test holds every answer back (`hold`).
+        self._answering = threading.Event()
+        self._answering.set()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -375,8 +378,18 @@ class TargetServer:
         """Script PATCHes by remote id; same queue as :meth:`program` since PATCH keys on its id."""
         self.program(remote_id, *answers)
 
+    def hold(self) -> None:
+        """Answer nothing until :meth:`release`: a request arriving meanwhile is recorded, then
+        waits. Unlike a latency, a hold lasts as long as the test needs, not a guessed length."""
+        self._answering.clear()
+
+    def release(self) -> None:
+        """Answer the held requests, and every later one, as the target otherwise would."""
+        self._answering.set()
+
     def reset(self) -> None:
         """Return to a pristine target so one server can be shared across tests."""
+        self._answering.set()
         with self._lock:
             self._collections.clear()
             self._scripts.clear()
@@ -453,6 +466,7 @@ class TargetServer:
             latency = self.latency_ms
         if latency > 0:
             self._sleep(latency / 1000)
+        self._wait_until_answering()
 
         if self.down:
             return _Reply.of_json(503, {"error": "target down"})
@@ -492,6 +506,7 @@ class TargetServer:
             latency = self.latency_ms
         if latency > 0:
             self._sleep(latency / 1000)
+        self._wait_until_answering()
         if self.down:
             return _Reply.of_json(503, {"error": "target down"})
         if self.token is not None and headers.get("Authorization") != f"Bearer {self.token}":
@@ -602,6 +617,11 @@ class TargetServer:
         with self._lock:
             queue = self._scripts.get(key)
             return queue.popleft() if queue else None
+
+    def _wait_until_answering(self) -> None:
+        while not self._answering.wait(0.05):
+            if self._stopping.is_set():
+                raise _Drop
 
     def _sleep(self, seconds: float) -> None:
         """Interruptible by :meth:`stop`, so a stalled answer never outlives its test."""

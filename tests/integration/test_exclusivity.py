@@ -156,19 +156,23 @@ async def _first_job_started(flow_run_id: str) -> datetime | None:
 
 
 class _Contention:
-    """Keeps the target slow until two chains of the rule are at work at once, then fast.
+    """Holds every answer of the target until two chains of the rule are at work at once, then
+    answers at once.
 
-    Slow (2 s a write: a job of 5 takes 10 s, 40 records give the other process 80 s to start)
-    means the chain that starts first is still at work when the other one's first job comes for the
-    rule (it then hands the rule over at its next job), so the race cannot quietly turn into two
-    chains one after the other. At 600 ms a write, on a loaded machine one `delivery run` process
-    once started 24 s after the other, and the runs never met. At work at once
-    means: both chains open in the database and both past the start of their first job (their
-    drain subflow is running in Prefect). From then on the target answers at once, so the test
-    pays for no more slowness than it needs. The watcher runs in the Prefect settings context of
-    the test (the harness's API)."""
+    At work at once means: both chains open in the database and both past the start of their
+    first job (their drain subflow is running in Prefect). The chain that starts first is held
+    inside its first job's first write, so it cannot reach its next job (where it would hand the
+    rule over to a newer chain merely recorded) before the other chain's first job has begun, however
+    late that chain's process starts on a loaded machine. (A slow target, 2 s a write, left a gap:
+    a chain recorded in the last moment of the other's job was handed the rule before its own first
+    job began, and the chains were never seen at work together.) A chain that ends before the
+    other one is at work (it yielded at its claim to a newer chain) releases the hold too: there
+    is nobody left to contend with. The watcher runs in the Prefect settings context of the test
+    (the harness's API)."""
 
-    SLOW_MS = 2000
+    #: The client's timeout, above any hold (the watcher gives up after `timeout`): a held write
+    #: must not turn into a failure.
+    TARGET_TIMEOUT_SECONDS = 180
 
     def __init__(self, world: World, timeout: float = 120) -> None:
         self.world = world
@@ -180,20 +184,26 @@ class _Contention:
         self._thread = threading.Thread(target=context.run, args=(self._watch,), daemon=True)
 
     def __enter__(self) -> _Contention:
-        # A client timeout well above the slow answers: a slow write must not turn into a failure.
-        self.world.apply(rule={"batch_size": 5}, target={"timeout_seconds": 20})
-        self.world.target.latency_ms = self.SLOW_MS
+        self.world.apply(rule={"batch_size": 5}, target={"timeout_seconds": self.TARGET_TIMEOUT_SECONDS})
+        self.world.target.hold()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.world.target.latency_ms = 0
+        self.world.target.release()
 
     def _watch(self) -> None:
+        try:
+            self._watch_until_contention()
+        finally:
+            self.world.target.release()
+
+    def _watch_until_contention(self) -> None:
         deadline = time.monotonic() + self.timeout
         working: dict[str, datetime] = {}
+        opened: set[str] = set()
         while not self._stop.is_set() and time.monotonic() < deadline:
             with self.world.engine.connect() as conn:
                 self.claimed = (
@@ -205,12 +215,15 @@ class _Contention:
                         chains_table.c.ended_at.is_(None), chains_table.c.flow_run_id.is_not(None)
                     )
                 ).all()
+            open_now = {token for token, _ in running}
+            if opened - open_now:
+                return  # a chain ended before the two were at work together
+            opened |= open_now
             for token, flow_run_id in running:
                 if token not in working and (started := asyncio.run(_first_job_started(flow_run_id))):
                     working[token] = started
-            if len({token for token, _ in running} & set(working)) >= 2:
+            if len(open_now & set(working)) >= 2:
                 self.seen.set()
-                self.world.target.latency_ms = 0
                 return
             time.sleep(0.1)
 
@@ -272,11 +285,11 @@ def test_a_manual_run_takes_over_a_busy_chain_at_its_next_job(world: World, tmp_
     ids = _ids(60)
     world.load(*ids)
     env = _env(DELIVERY_LOCK_WAIT_STEP_SECONDS="2")
-    # Slow until the manual run's first job is waiting for the rule (however long its process
-    # takes to start on a loaded machine), then fast: the busy chain must still be at work then.
+    # Held until the manual run's first job is waiting for the rule (however long its process
+    # takes to start on a loaded machine): the busy chain is still in its first job then.
     with _Contention(world) as contention:
         busy = _spawn(env, tmp_path)
-        _wait_for_rows(world, 1, busy)
+        contention.wait_for_a_claim()
         manual = _spawn(env, tmp_path)
         manual_out, manual_err = manual.communicate(timeout=300)
         busy_out, busy_err = busy.communicate(timeout=300)

@@ -204,3 +204,24 @@ def test_requests_are_recorded_and_reset_clears_everything(client: httpx.Client,
     assert server.pending("a@x.io") == 0
     assert not server.down
     assert client.post("/contacts", json={"email": "a@x.io"}).json()["id"] == "r-1"
+
+
+def test_a_held_request_is_recorded_and_answered_only_when_released(server: TargetServer) -> None:
+    server.hold()
+    answers: list[httpx.Response] = []
+
+    def post() -> None:
+        with httpx.Client(base_url=server.url, timeout=30.0) as c:
+            answers.append(c.post("/contacts", json={"email": "a@x.io"}))
+
+    sender = threading.Thread(target=post)
+    sender.start()
+    deadline = time.monotonic() + 10
+    while not server.requests:
+        assert time.monotonic() < deadline, "the request never arrived"
+        time.sleep(0.01)
+    sender.join(timeout=0.3)
+    assert sender.is_alive() and not answers  # arrived, recorded, not answered
+    server.release()
+    sender.join(timeout=10)
+    assert [r.status_code for r in answers] == [201]
