@@ -6,7 +6,8 @@ the default action: -15 for SIGTERM, 130 for SIGINT), while the Prefect server i
 yet answering (when it starts one), when it announces the UI (it is registering
 the deployments; there the old handler's KeyboardInterrupt, raised inside a class body Prefect was
 importing, came out as a RuntimeError and exit 1 now and then), when both deployments appear in
-the API (the moment of the original report), and at random delays spread over the start-up,
+the API (the moment of the original report; it is often still registering then), when it says it
+is serving, and at random delays spread over the start-up,
 measured from the handler being in place (before that the interpreter itself is starting: no
 program can catch a signal that early). Every run must exit 0,
 say in which phase it was stopped (the test checks that the runs did land in every phase), and
@@ -177,7 +178,7 @@ class Served:
 class Shot:
     """When to signal a run, and how."""
 
-    at: str  # "handler" | "prefect import" | "server" | "ui" | "deployed" | "delay"
+    at: str  # "handler" | "prefect import" | "server" | "ui" | "deployed" | "serving" | "delay"
     signum: signal.Signals
     delay: float = 0.0
     second_after: float | None = None  # a second signal this long after the first was announced
@@ -218,6 +219,10 @@ def _shoot(served: Served, shot: Shot) -> Outcome:
               "the Prefect server's process", poll=0.05)  # fmt: skip
     elif shot.at == "ui":
         _wait(lambda: served.printed("Prefect UI:"), START_TIMEOUT, "the UI line")
+    elif shot.at == "serving":
+        # The deployments appear in the API a moment before their registration returns: a shot
+        # aimed at them lands in "serving" only now and then, this one always.
+        _wait(lambda: served.printed("serving deliver-rule"), START_TIMEOUT, "the serving line")
     elif shot.at == "deployed":
         ready_after = _wait(served.deployed, START_TIMEOUT, "both deployments", poll=0.05) - handler_at
     elif shot.at == "delay":
@@ -276,6 +281,7 @@ def _plan(rng: random.Random, ready_after: float, own_server: bool) -> list[Shot
         Shot("prefect import", signal.SIGTERM),
         Shot("prefect import", signal.SIGINT),
         Shot("ui", signal.SIGTERM),
+        Shot("serving", signal.SIGINT),
     ]
     if own_server:
         shots.append(Shot("server", signal.SIGINT))
