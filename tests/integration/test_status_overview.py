@@ -130,18 +130,24 @@ def test_how_the_last_chain_ended_as_status_words_it(engine: sa.Engine) -> None:
 
     _end_last_chain(engine, ChainEnd.RULE_FAULT, "TimeoutError: batch over 600 s", NOW, NOW + timedelta(seconds=1))
     assert _row(engine)["last_ending"] == "Failed: TimedOut"
-    _end_last_chain(engine, ChainEnd.RULE_FAULT, "", NOW, NOW + timedelta(seconds=2))
+    # Each chain starts after the one before: the last chain is the latest started, and a tie
+    # would leave the pick to the order the database happens to return.
+    _end_last_chain(engine, ChainEnd.RULE_FAULT, "", NOW + timedelta(seconds=1), NOW + timedelta(seconds=2))
     assert _row(engine)["last_ending"] == "Failed"  # no message to name the fault by
 
-    for end, name in [
-        (ChainEnd.CAUGHT_UP, "CaughtUp"),
-        (ChainEnd.BREAKER_OPEN, "BreakerOpen"),
-        (ChainEnd.ROUTE_CLOSED, "RouteClosed"),
-        (ChainEnd.SUPERSEDED, "Superseded"),
-        (ChainEnd.DISABLED, "Disabled"),
-        (ChainEnd.CANCELLED, "Cancelled"),
-    ]:
-        _end_last_chain(engine, end, "Word: not a fault", NOW, NOW + timedelta(seconds=3))
+    for later, (end, name) in enumerate(
+        [
+            (ChainEnd.CAUGHT_UP, "CaughtUp"),
+            (ChainEnd.BREAKER_OPEN, "BreakerOpen"),
+            (ChainEnd.ROUTE_CLOSED, "RouteClosed"),
+            (ChainEnd.SUPERSEDED, "Superseded"),
+            (ChainEnd.DISABLED, "Disabled"),
+            (ChainEnd.CANCELLED, "Cancelled"),
+        ],
+        start=2,
+    ):
+        started = NOW + timedelta(seconds=later)
+        _end_last_chain(engine, end, "Word: not a fault", started, started + timedelta(seconds=1))
         row = _row(engine)
         assert (row["last_ending"], row["last_chain"]["state_name"], row["last_chain"]["fault"]) == (name, name, None)
 
