@@ -207,13 +207,9 @@ class AsyncJob(GroupedJob):
             # Raised before anything was applied (a refused token, a verb the writer lacks).
             self.sent.discard(index)
             raise
-        if done is None or isinstance(done, ChainEnd):
-            self.sent.discard(index)  # nothing went out: its intent goes back
-            return None if done is None else Cut(done)
-        candidate, outcome = done
-        if signals.over.is_set():
-            return None
-        item = _Settle(index, candidate, outcome)
+        item = self._to_settle(index, done, signals)
+        if not isinstance(item, _Settle):
+            return item
         if not self.settle_each:
             groups.add(item)  # holds the loop back while two groups wait: what a crash loses stays bounded
             return None

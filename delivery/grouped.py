@@ -166,14 +166,24 @@ class GroupedJob:
             # intent goes back, so the fault writes nothing.
             self.sent.discard(index)
             raise
+        item = self._to_settle(index, done, signals)
+        if not isinstance(item, _Settle):
+            return item
+        groups.add(item)
+        return None
+
+    def _to_settle(
+        self, index: int, done: tuple[Candidate, Outcome] | ChainEnd | None, signals: Signals
+    ) -> _Settle | Cut | None:
+        """What a send of record `index` left (see `Step.carry_out`): its outcome to settle, or how
+        the batch ends, or None (nothing to settle: nothing went out, or the job is over)."""
         if done is None or isinstance(done, ChainEnd):
             self.sent.discard(index)  # nothing went out: its intent goes back
             return None if done is None else Cut(done)
         candidate, outcome = done
         if signals.over.is_set():
             return None
-        groups.add(_Settle(index, candidate, outcome))
-        return None
+        return _Settle(index, candidate, outcome)
 
     def _prepare_window(self, window: int) -> None:
         """Check and plan a window's candidates, and commit their intents (creates' keys and

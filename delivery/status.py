@@ -24,7 +24,7 @@ def _route(rule: Rule) -> tuple[bool, str]:
 
 
 #: The state a `deliver-rule` run ends in, per chain end, as the Prefect UI's run list names it:
-#: `STATE_NAMES` of flows/deliver_rule.py for the Completed ones (a test pins that they agree), a
+#: a Completed state named for the ending (flows/deliver_rule.py names its states from here), a
 #: fault of the rule plain `Failed` (the fault's class is its `fault:CLASS` tag), a stop `Cancelled`.
 RUN_STATE_NAMES: dict[ChainEnd, str] = {
     ChainEnd.CAUGHT_UP: "CaughtUp",
@@ -204,27 +204,35 @@ def rule_label(row: dict[str, Any]) -> str:
     return str(row["rule"]) + ("" if row["enabled"] else " (disabled)")
 
 
+def standing(row: dict[str, Any]) -> dict[str, str]:
+    """The columns that lead both the `delivery status` table and the `delivery-status` artifact:
+    the rule, how its last chain ended and since when, its route, breaker, traffic and lag."""
+    return {
+        "rule": rule_label(row),
+        "last chain": row["last_ending"],
+        "since": plain_time(row["last_since"]),
+        "route": row["route"],
+        "breaker": row["breaker"],
+        "traffic": row["traffic"],
+        "lag": row["cursor_lag"],
+    }
+
+
+def last_message(row: dict[str, Any]) -> str:
+    """The last chain's message, the last column of both tables."""
+    return str((row["last_chain"] or {}).get("message") or "-")
+
+
 def status_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The overview as the `delivery-status` table artifact shows it, one row per rule, every cell
-    plain words or a number: how the last chain ended and since when first, then the route, the
-    breaker, the lag, the counts per ledger status and the retries due, and the last chain's
-    message. The columns are the `delivery status` table's."""
-    table = []
-    for r in rows:
-        counts = r["counts"]
-        last = r["last_chain"]
-        table.append(
-            {
-                "rule": rule_label(r),
-                "last chain": r["last_ending"],
-                "since": plain_time(r["last_since"]),
-                "route": r["route"],
-                "breaker": r["breaker"],
-                "traffic": r["traffic"],
-                "lag": r["cursor_lag"],
-                **{each.value.replace("_", " "): counts.get(each.value, 0) for each in LedgerStatus},
-                "due retries": r["due_retries"],
-                "message": (last or {}).get("message") or "-",
-            }
-        )
-    return table
+    plain words or a number: the `standing` columns, then the counts per ledger status and the
+    retries due, and the last chain's message."""
+    return [
+        {
+            **standing(r),
+            **{each.value.replace("_", " "): r["counts"].get(each.value, 0) for each in LedgerStatus},
+            "due retries": r["due_retries"],
+            "message": last_message(r),
+        }
+        for r in rows
+    ]

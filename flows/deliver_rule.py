@@ -36,6 +36,7 @@ from delivery.domain import BatchReport, ChainEnd, Phase
 from delivery.errors import RuleFault
 from delivery.phase import PhaseJobs
 from delivery.settings import settings
+from delivery.status import RUN_STATE_NAMES
 from flows.breaker_events import RunBreakerListener
 from flows.chain_reporting import ChainReporter, rule_tags, summary
 from flows.lock import rule_lock
@@ -62,14 +63,10 @@ CANCELLATIONS: tuple[type[BaseException], ...] = (
 _running: ContextVar[ChainReporter | None] = ContextVar("delivery_running_chain", default=None)
 
 #: The Completed state's name per chain end: the run list tells the endings apart at a glance
-#: (the type stays COMPLETED: none of them is a fault, ADR-0029).
-STATE_NAMES = {
-    ChainEnd.CAUGHT_UP: "CaughtUp",
-    ChainEnd.BREAKER_OPEN: "BreakerOpen",
-    ChainEnd.ROUTE_CLOSED: "RouteClosed",
-    ChainEnd.SUPERSEDED: "Superseded",
-    ChainEnd.DISABLED: "Disabled",
-    ChainEnd.RATE_LIMITED: "RateLimited",
+#: (the type stays COMPLETED: none of them is a fault, ADR-0029). A fault ends the run Failed, a
+#: stop Cancelled: those two take Prefect's own states.
+STATE_NAMES: dict[ChainEnd, str] = {
+    end: name for end, name in RUN_STATE_NAMES.items() if end not in (ChainEnd.RULE_FAULT, ChainEnd.CANCELLED)
 }
 
 

@@ -53,35 +53,43 @@ def _candidate(row: Any) -> Candidate:
     return Candidate(record, row_ledger)
 
 
-def scan_page(conn: sa.Connection, rule: Rule, after: Cursor | None, limit: int) -> list[Candidate]:
-    """The rule's changes after `after` in (changed_at, id) order, skipping what the ledger already
-    settled at this change signal, terminal rows and failed rows (the drain owns those)."""
+def changes_query(rule: Rule, after: Cursor | None, limit: int, *where: sa.ColumnElement[bool]) -> sa.Select[Any]:
+    """The rule's records in the mirror, each with its ledger row if it has one, that meet
+    `where`: in the scan's (changed_at, id) order, after `after`, at most `limit`. A keyset page,
+    so a page far into the mirror costs what the first one does."""
     m, lg = mirror_records_table, ledger_table
     query = (
         sa.select(*_M, *_L)
         .select_from(m.outerjoin(lg, sa.and_(lg.c.rule_id == rule.id, lg.c.record_id == m.c.id)))
-        .where(
-            m.c.source_id == rule.source.id,
-            m.c.domain == rule.domain,
-            m.c.deleted.is_(False),
-            sa.or_(
-                lg.c.id.is_(None),
-                sa.and_(
-                    lg.c.status.in_(_REOFFERED),
-                    sa.or_(lg.c.settled_changed_at.is_(None), lg.c.settled_changed_at != m.c.changed_at),
-                ),
-            ),
-        )
+        .where(m.c.source_id == rule.source.id, m.c.domain == rule.domain, *where)
         .order_by(m.c.changed_at, m.c.id)
         .limit(limit)
     )
-    if after is not None:
-        query = query.where(
-            sa.tuple_(m.c.changed_at, m.c.id)
-            > sa.tuple_(
-                sa.literal(after.changed_at, mirror_records_table.c.changed_at.type), sa.literal(after.record_id)
-            )
-        )
+    if after is None:
+        return query
+    return query.where(
+        sa.tuple_(m.c.changed_at, m.c.id)
+        > sa.tuple_(sa.literal(after.changed_at, m.c.changed_at.type), sa.literal(after.record_id))
+    )
+
+
+def scan_page(conn: sa.Connection, rule: Rule, after: Cursor | None, limit: int) -> list[Candidate]:
+    """The rule's changes after `after` in (changed_at, id) order, skipping what the ledger already
+    settled at this change signal, terminal rows and failed rows (the drain owns those)."""
+    m, lg = mirror_records_table, ledger_table
+    query = changes_query(
+        rule,
+        after,
+        limit,
+        m.c.deleted.is_(False),
+        sa.or_(
+            lg.c.id.is_(None),
+            sa.and_(
+                lg.c.status.in_(_REOFFERED),
+                sa.or_(lg.c.settled_changed_at.is_(None), lg.c.settled_changed_at != m.c.changed_at),
+            ),
+        ),
+    )
     return [_candidate(row) for row in conn.execute(query)]
 
 

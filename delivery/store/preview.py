@@ -10,7 +10,7 @@ from datetime import datetime
 import sqlalchemy as sa
 
 from delivery.domain import Candidate, Cursor, LedgerStatus, Rule
-from delivery.store.ledger import _L, _M, _candidate
+from delivery.store.ledger import _candidate, changes_query
 from delivery.store.tables import ledger_table, mirror_records_table
 
 
@@ -50,32 +50,20 @@ def scan_changes(
     settled this change signal (as `scan_page` asks of the rows it offers). Failed rows due by
     `due_by` are the drain's (`ledger.drain_page`) and are not here."""
     m, lg = mirror_records_table, ledger_table
-    query = (
-        sa.select(*_M, *_L)
-        .select_from(m.outerjoin(lg, sa.and_(lg.c.rule_id == rule.id, lg.c.record_id == m.c.id)))
-        .where(
-            m.c.source_id == rule.source.id,
-            m.c.domain == rule.domain,
-            sa.or_(
-                lg.c.id.is_(None),
-                sa.and_(
-                    sa.or_(lg.c.settled_changed_at.is_(None), lg.c.settled_changed_at != m.c.changed_at),
-                    sa.or_(
-                        lg.c.status != LedgerStatus.FAILED.value,
-                        lg.c.next_attempt_at.is_(None),
-                        lg.c.next_attempt_at > sa.literal(due_by, ledger_table.c.next_attempt_at.type),
-                    ),
+    query = changes_query(
+        rule,
+        after,
+        limit,
+        sa.or_(
+            lg.c.id.is_(None),
+            sa.and_(
+                sa.or_(lg.c.settled_changed_at.is_(None), lg.c.settled_changed_at != m.c.changed_at),
+                sa.or_(
+                    lg.c.status != LedgerStatus.FAILED.value,
+                    lg.c.next_attempt_at.is_(None),
+                    lg.c.next_attempt_at > sa.literal(due_by, ledger_table.c.next_attempt_at.type),
                 ),
             ),
-        )
-        .order_by(m.c.changed_at, m.c.id)
-        .limit(limit)
+        ),
     )
-    if after is not None:
-        query = query.where(
-            sa.tuple_(m.c.changed_at, m.c.id)
-            > sa.tuple_(
-                sa.literal(after.changed_at, mirror_records_table.c.changed_at.type), sa.literal(after.record_id)
-            )
-        )
     return [_candidate(row) for row in conn.execute(query)]

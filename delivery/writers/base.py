@@ -120,12 +120,7 @@ class UpdatesAsync(_AsyncVerbs):
 
 def async_verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
     """The verbs the type offers as coroutines (`CreatesAsync`, `UpdatesAsync`)."""
-    verbs = set()
-    if issubclass(writer_type, CreatesAsync):
-        verbs.add(Verb.CREATE)
-    if issubclass(writer_type, UpdatesAsync):
-        verbs.add(Verb.UPDATE)
-    return frozenset(verbs)
+    return _offered(writer_type, CreatesAsync, UpdatesAsync)
 
 
 def offers_async(writer: Writer) -> bool:
@@ -221,6 +216,13 @@ def accepts_concurrency(writer_type: type[Writer]) -> bool:
     return any(p.name == "concurrency" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
+def _offered(writer_type: type[Writer], creates: type, updates: type) -> frozenset[Verb]:
+    """CREATE if the type is a `creates`, UPDATE if it is an `updates` (one of the pairs above)."""
+    return frozenset(
+        verb for verb, kind in ((Verb.CREATE, creates), (Verb.UPDATE, updates)) if issubclass(writer_type, kind)
+    )
+
+
 def verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
     """The verbs the type offers, one record per call (plain or as a coroutine) or in batches: a
     writer offering only `CreatesMany` still creates."""
@@ -229,23 +231,13 @@ def verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
 
 def single_verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
     """The verbs the type offers one record per call (`Creates`, `Updates`)."""
-    verbs = set()
-    if issubclass(writer_type, Creates):
-        verbs.add(Verb.CREATE)
-    if issubclass(writer_type, Updates):
-        verbs.add(Verb.UPDATE)
-    return frozenset(verbs)
+    return _offered(writer_type, Creates, Updates)
 
 
 def batch_verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
     """The verbs the type offers many records per call (`CreatesMany`, `UpdatesMany`). For a
     driver whose batch verbs depend on its connection, ask the type `for_batch` returns."""
-    verbs = set()
-    if issubclass(writer_type, CreatesMany):
-        verbs.add(Verb.CREATE)
-    if issubclass(writer_type, UpdatesMany):
-        verbs.add(Verb.UPDATE)
-    return frozenset(verbs)
+    return _offered(writer_type, CreatesMany, UpdatesMany)
 
 
 #: Reads a Prefect Secret block by name: its value, or None when there is no such block or it

@@ -321,14 +321,18 @@ class _RestWriter(Writer):
         except ValueError as exc:
             raise Unaddressable(self._clean(f"POST {path}: HTTP {answer.status_code} answer is not JSON")) from exc
         remote_id = decoded.get(self.target.id_field) if isinstance(decoded, dict) else None
-        problem = None if remote_id is None else remote_id_problem(remote_id)
-        if remote_id is None or problem is not None:
-            why = "" if problem is None else f" (it {problem})"
+        if (unusable := self._unusable(remote_id)) is not None:
             raise Unaddressable(
-                f"POST {path}: HTTP {answer.status_code} answer has no usable {self.target.id_field!r}{why}: "
-                f"{self._excerpt(answer)}"
+                f"POST {path}: HTTP {answer.status_code} answer has {unusable}: {self._excerpt(answer)}"
             )
         return str(remote_id)
+
+    def _unusable(self, remote_id: Any) -> str | None:
+        """What is wrong with the id a create's answer gave (None: it can address the record)."""
+        problem = None if remote_id is None else remote_id_problem(remote_id)
+        if remote_id is not None and problem is None:
+            return None
+        return f"no usable {self.target.id_field!r}" + ("" if problem is None else f" (it {problem})")
 
     def _update(self, remote_id: str, body: Mapping[str, Any]) -> None:
         path = f"{self.collection}/{_segment(remote_id)}"
@@ -448,13 +452,8 @@ class _RestWriter(Writer):
 
     def _created(self, where: str, status: int, result: dict[str, Any]) -> str | Unaddressable:
         remote_id = result.get(self.target.id_field)
-        problem = None if remote_id is None else remote_id_problem(remote_id)
-        if remote_id is None or problem is not None:
-            why = "" if problem is None else f" (it {problem})"
-            return Unaddressable(
-                f"{where}: HTTP {status} result has no usable {self.target.id_field!r}{why}: "
-                f"{self._item_excerpt(result)}"
-            )
+        if (unusable := self._unusable(remote_id)) is not None:
+            return Unaddressable(f"{where}: HTTP {status} result has {unusable}: {self._item_excerpt(result)}")
         return str(remote_id)
 
     def _item_excerpt(self, result: Any) -> str:

@@ -144,7 +144,7 @@ def status_command(as_json: JsonFlag = False) -> None:
     (rate budget, a pause), cursor lag (age of the oldest undelivered change), ledger counts, due
     retries, and the last chain's message."""
     from delivery.clock import utcnow
-    from delivery.status import overview, plain_time, rule_label
+    from delivery.status import last_message, overview, standing
 
     with read_only() as conn:
         rows = overview(conn, utcnow())
@@ -154,17 +154,11 @@ def status_command(as_json: JsonFlag = False) -> None:
     show(
         [
             {
-                "rule": rule_label(r),
-                "last chain": r["last_ending"],
-                "since": plain_time(r["last_since"]),
-                "route": r["route"],
-                "breaker": r["breaker"],
-                "traffic": r["traffic"],
-                "lag": r["cursor_lag"],
+                **standing(r),
                 "delivered": str(r["counts"]["delivered"]),
                 "failed (due)": f"{r['counts']['failed']} ({r['due_retries']})",
                 "parked": f"{r['counts']['exhausted']} exhausted, {r['counts']['remote_gone']} gone",
-                "message": (r["last_chain"] or {}).get("message") or "-",
+                "message": last_message(r),
             }
             for r in rows
         ],

@@ -169,6 +169,6 @@ def test_published_inside_a_flow_run_it_is_the_status_as_of_then_and_says_what_t
 def test_the_state_names_are_those_the_runs_end_in() -> None:
     from flows.deliver_rule import STATE_NAMES
 
-    assert {end: RUN_STATE_NAMES[end] for end in STATE_NAMES} == STATE_NAMES
-    assert set(RUN_STATE_NAMES) == set(ChainEnd)
+    assert set(RUN_STATE_NAMES) == set(ChainEnd)  # every ending named
+    assert set(STATE_NAMES) == set(ChainEnd) - {ChainEnd.RULE_FAULT, ChainEnd.CANCELLED}
     assert (RUN_STATE_NAMES[ChainEnd.RULE_FAULT], RUN_STATE_NAMES[ChainEnd.CANCELLED]) == ("Failed", "Cancelled")
