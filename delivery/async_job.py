@@ -37,7 +37,6 @@ from typing import Any, TypeVar
 
 from delivery.breaker import TargetBreaker
 from delivery.domain import Candidate, ChainEnd, Phase, SettleMode
-from delivery.errors import RuleFault
 from delivery.grouped import GroupedJob, _Settle
 from delivery.job import JobContext
 from delivery.settle import SettleGroups
@@ -201,12 +200,8 @@ class AsyncJob(GroupedJob):
             return ready
         candidate, plan, intent = ready
         bounds = self.context.bounds(signals.stop)
-        try:
+        with self._unsent_on_rule_fault(index):
             done = await self.context.step.carry_out_async(candidate, plan, intent, breaker, bounds, off_loop)
-        except RuleFault:
-            # Raised before anything was applied (a refused token, a verb the writer lacks).
-            self.sent.discard(index)
-            raise
         item = self._to_settle(index, done, signals)
         if not isinstance(item, _Settle):
             return item

@@ -10,9 +10,11 @@ builds on it), given a `JobContext`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from delivery.breaker import TargetBreaker
@@ -159,18 +161,23 @@ class GroupedJob:
         if not isinstance(ready, tuple):
             return ready
         candidate, plan, intent = ready
-        try:
+        with self._unsent_on_rule_fault(index):
             done = self.context.step.carry_out(candidate, plan, intent, breaker, self.context.bounds(signals.stop))
-        except RuleFault:
-            # Raised before anything was applied (a refused token, a verb the writer lacks): its
-            # intent goes back, so the fault writes nothing.
-            self.sent.discard(index)
-            raise
         item = self._to_settle(index, done, signals)
         if not isinstance(item, _Settle):
             return item
         groups.add(item)
         return None
+
+    @contextlib.contextmanager
+    def _unsent_on_rule_fault(self, index: int) -> Iterator[None]:
+        """A rule fault in the send of record `index` is raised before anything was applied (a
+        refused token, a verb the writer lacks): its intent goes back, so the fault writes nothing."""
+        try:
+            yield
+        except RuleFault:
+            self.sent.discard(index)
+            raise
 
     def _to_settle(
         self, index: int, done: tuple[Candidate, Outcome] | ChainEnd | None, signals: Signals
