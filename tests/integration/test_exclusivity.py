@@ -191,8 +191,7 @@ class _Contention:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
-        self.world.target.release()
+        self._thread.join()  # the watcher releases the target as it ends
 
     def _watch(self) -> None:
         try:
