@@ -16,7 +16,9 @@ chain process writes `pid N`, then `open` once its chain is open (a kill is time
 With `DELIVERY_TEST_SEND_LOG` set to a file, every request the target's traffic admits appends
 the wall-clock time it left the budget to that file (one line each; several processes may share
 the file): where the rate budget's promise is made (see `record_sends`). A slot its sender woke
-too late for (a busy machine), and so gave up for a new one, appends `late TIME`.
+too late for (a busy machine), and so gave up for a new one, appends `late TIME`. A sender
+entering the budget's wait appends `ask TIME`, and `done TIME` as it leaves it, admitted or not:
+between the two it wants to send.
 """
 
 from __future__ import annotations
@@ -51,21 +53,32 @@ def record_sends(path: str) -> None:
 
     def missed(self: TargetTraffic, slot: Any) -> bool:
         if too_late(self, slot):
-            os.write(fd, f"late {time.time():.6f}\n".encode())
+            mark("late")
             return True
         return False
+
+    def mark(what: str) -> None:
+        os.write(fd, f"{what} {time.time():.6f}\n".encode())
 
     def admitted(self: TargetTraffic, bounds: JobBounds) -> bool:
-        if admit(self, bounds):
-            sent()
-            return True
-        return False
+        mark("ask")
+        try:
+            if admit(self, bounds):
+                sent()
+                return True
+            return False
+        finally:
+            mark("done")
 
     async def admitted_async(self: TargetTraffic, bounds: JobBounds, off_loop: Any) -> bool:
-        if await admit_async(self, bounds, off_loop):
-            sent()
-            return True
-        return False
+        mark("ask")
+        try:
+            if await admit_async(self, bounds, off_loop):
+                sent()
+                return True
+            return False
+        finally:
+            mark("done")
 
     TargetTraffic.admit = admitted  # type: ignore[method-assign]
     TargetTraffic.admit_async = admitted_async  # type: ignore[method-assign]
