@@ -184,6 +184,12 @@ class TargetBreaker(pybreaker.CircuitBreaker):
         until = reopens_at(self.storage.opened_at, self.reset_timeout)
         return max(until, now) if until is not None else now + timedelta(seconds=self.reset_timeout)
 
+    def failures_since_success(self) -> int:
+        """The failures counted since the target last answered anyone successfully (pybreaker's
+        consecutive-failure count, as stored), read fresh: 1 just after a failure means the target
+        answered someone after every earlier failure."""
+        return self.storage.fresh_counter()
+
     def open_until(self, now: datetime) -> datetime | None:
         """When an open breaker lets a trial call through; None when it is not open now."""
         if self.current_state != pybreaker.STATE_OPEN:

@@ -201,6 +201,7 @@ def after_fault(
     unknown: bool = False,
     outage_until: datetime | None = None,
     paused_until: datetime | None = None,
+    target_healthy: bool = False,
 ) -> Outcome:
     """Where a record fault puts the record's ledger row (ADR-0029). `message` is the fault as the
     row will show it (already cut and cleaned of secrets); `remote_id` is an id the write got
@@ -213,7 +214,16 @@ def after_fault(
     passed, so a target coming back finds it still in play rather than parked for a person.
 
     `paused_until`: the target answered with a pause (a 429 or 503 with Retry-After) that outlasts
-    the job. That spends no attempt: the record stays failed, due the moment the pause ends."""
+    the job. That spends no attempt: the record stays failed, due the moment the pause ends.
+
+    `target_healthy`: the breaker, read just after this failure, holds no failure but this one
+    since the target's last success (someone was answered after this record's previous failure,
+    and nobody else failed since). A failure that may be the target's (`TargetUnavailable`) parks
+    a record only with that proof, and only once its last attempt was spent already: the failure
+    that spends the last attempt leaves it failed (`awaiting_proof`), and it is sent once more, so
+    a record is parked for the target's failures only when they came again after the target was
+    seen answering others. An outage (the target down for everyone) therefore parks nothing,
+    whether the breaker tripped yet or not."""
     attempts = (row.attempts if row else 0) + 1
     kept: dict[str, Any] = {}
     if unknown:
@@ -240,6 +250,14 @@ def after_fault(
     if outage_until is not None and isinstance(fault, TargetUnavailable):
         attempts = min(attempts, max(max_attempts - 1, 0))
         not_before = outage_until
+    elif (
+        attempts >= max_attempts
+        and isinstance(fault, TargetUnavailable)
+        and not (awaiting_proof(row, max_attempts) and target_healthy)
+    ):
+        # It may be an outage the breaker has not tripped on yet: the attempt counts, the record
+        # stays in play, and it is parked only if it fails again with the target seen healthy.
+        attempts = max(max_attempts, 1)
     elif attempts >= max_attempts:
         return parked(
             row,
@@ -256,3 +274,9 @@ def after_fault(
         last_error=message,
         **kept,
     )
+
+
+def awaiting_proof(row: LedgerRow | None, max_attempts: int) -> bool:
+    """A failed row whose last attempt was spent by a failure that may have been the target's: it
+    is sent again, and parked only if it fails again while the target is seen healthy."""
+    return row is not None and row.status is LedgerStatus.FAILED and row.attempts >= max(max_attempts, 1)

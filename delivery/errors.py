@@ -182,6 +182,16 @@ class TargetUnavailable(RecordFault):
         return self.status_code in (429, 503) and self.retry_after_seconds is not None
 
 
+class AnswerSaysNothing(TargetUnavailable):
+    """A success answer that says nothing readable about this item (a batch call answered 2xx
+    without a usable result for it): the write may have been applied, or not. Never a refusal,
+    which would let the next offer be suppressed as identical while the target holds the body
+    it was never told about; the record stays in play, in doubt, and is sent again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, outcome_unknown=True)
+
+
 class RecordRejected(RecordFault):
     """The target refused this record's write (a 4xx other than gone)."""
 

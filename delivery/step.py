@@ -351,8 +351,11 @@ class RecordStep:
             paused_until = self.traffic.pause_end(fault, now)
         # Read only after the target's own failures: whether it is down now, the cooldown's end.
         outage_until = None
+        healthy = False
         if isinstance(fault, TargetUnavailable) and paused_until is None:
             outage_until = breaker.outage_until(now)
+            if outage_until is None and decisions.awaiting_proof(row, self.rule.max_attempts):
+                healthy = breaker.failures_since_success() <= 1
         return decisions.after_fault(
             row,
             fault,
@@ -364,4 +367,5 @@ class RecordStep:
             unknown=unknown,
             outage_until=outage_until,
             paused_until=paused_until,
+            target_healthy=healthy,
         )

@@ -149,7 +149,26 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         return None
 
     def increment_counter(self) -> None:
-        self._set(fail_counter=breaker_states_table.c.fail_counter + 1)
+        # A success whose reset was put off (`reset_counter`) came before this failure: the
+        # failures before it are no longer consecutive, so the count starts again at this one.
+        with self._guard:
+            reset_due = self._reset_due
+        self._set(fail_counter=1 if reset_due else breaker_states_table.c.fail_counter + 1)
+
+    def fresh_counter(self) -> int:
+        """The stored failure count read from the database, never from a row observed earlier, with
+        a success whose reset is put off counted as that reset."""
+        with self._guard:
+            if self._reset_due:
+                return 0
+        with self._engine.connect().execution_options(readonly=True) as conn:
+            return int(
+                conn.execute(
+                    sa.select(breaker_states_table.c.fail_counter).where(
+                        breaker_states_table.c.connection_id == self._id
+                    )
+                ).scalar_one()
+            )
 
     def reset_counter(self) -> None:
         # Called after every success. With a fresh row the reset is put off to the engine's next

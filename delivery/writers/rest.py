@@ -29,8 +29,9 @@ whole call: a transport failure, 429 or 5xx raises `TargetUnavailable` for every
 `Unauthorized`; any other status without a usable result list raises `BatchRefused` (the engine
 splits the call). A 2xx whose result list is missing or does not match the items (not JSON, no
 `results` list, a different length): every create item is `Unaddressable`, since the target may
-have made them and only the answer says which id each got; every update item `RecordRejected`,
-since a 2xx for the call says nothing of each item, and an update sent again changes nothing.
+have made them and only the answer says which id each got; every update item `AnswerSaysNothing`
+(in doubt: it may have been applied, so its next offer is sent whatever its body), and an update
+sent again changes nothing. An item without a usable `status` is judged the same way.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import httpx
 from delivery.clock import utcnow
 from delivery.domain import BatchEndpoints, Connection, Forbidden
 from delivery.errors import (
+    AnswerSaysNothing,
     RecordRejected,
     RemoteGone,
     TargetUnavailable,
@@ -393,7 +395,7 @@ class _RestWriter(Writer):
             if isinstance(read, str):
                 # A 2xx without a usable list: see the module docstring for why these faults.
                 what = f"{where}: HTTP {answer.status_code} {read}"
-                results[index] = Unaddressable(what) if creating else RecordRejected(what)
+                results[index] = Unaddressable(what) if creating else AnswerSaysNothing(what)
             else:
                 results[index] = self._item(where, answer, read[position], creating=creating)
         return results
@@ -431,7 +433,7 @@ class _RestWriter(Writer):
         status = result.get("status") if isinstance(result, dict) else None
         if not isinstance(status, int) or isinstance(status, bool) or not 100 <= status <= 599:
             what = f"{where}: result has no usable 'status': {self._item_excerpt(result)}"
-            return Unaddressable(what) if creating else RecordRejected(what)
+            return Unaddressable(what) if creating else AnswerSaysNothing(what)
         if 200 <= status < 300:
             return self._created(where, status, result) if creating else None
         what = f"{where}: HTTP {status}: {self._item_excerpt(result)}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -37,8 +36,9 @@ def _expected_statuses(workdir: Path) -> dict[str, set[str]]:
         ("contacts.jsonl", {"delivered"}),  # a healthy target
         ("changes.jsonl", {"delivered"}),  # a healthy target
         ("parked.jsonl", None),  # deleted in the target, or too large for it
-        ("wobbly.jsonl", {"delivered", "exhausted"}),  # 20% 503s, then the target down, then back
-        ("more.jsonl", {"delivered", "exhausted"}),  # loaded while the target is down, then back
+        # An outage parks nothing: 20% 503s, then the target down, then back.
+        ("wobbly.jsonl", {"delivered"}),
+        ("more.jsonl", {"delivered"}),  # loaded while the target is down, then back
         ("budget.jsonl", {"delivered"}),  # records in play, sent under a rate budget
     ]
     for name, written in steps:
@@ -87,7 +87,7 @@ def test_demo_runs_end_to_end_and_leaves_the_promised_ledger(
     assert sum(allowed == {"exhausted"} for allowed in expected.values()) == 3
     assert sum(allowed == {"suppressed"} for allowed in expected.values()) > 0
     assert all("HTTP 404" in r["last_error"] for r in rows.values() if r["status"] == "remote_gone")
-    assert all(re.search(r"HTTP (413|503)", r["last_error"] or "") for r in rows.values() if r["status"] == "exhausted")
+    assert all("HTTP 413" in (r["last_error"] or "") for r in rows.values() if r["status"] == "exhausted")
     # The summary the demo prints and returns agrees with the ledger it leaves.
     by_status = Counter(r["status"] for r in rows.values())
     assert {k: v for k, v in counts.items() if v} == dict(by_status)

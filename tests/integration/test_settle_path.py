@@ -269,3 +269,19 @@ def test_on_postgresql_a_supersede_during_a_settle_waits_and_never_deadlocks(wor
     assert errors == []  # taken in the same order, the two wait for each other but never deadlock
     assert chain.run_batch(Phase.SCAN).ended_by is ChainEnd.SUPERSEDED
     chain.finish()
+
+
+def test_a_failure_after_a_success_whose_reset_was_put_off_counts_from_one(world: World) -> None:
+    """Consecutive failures: a success between two failures clears the first, even when its reset
+    waited for the next observed row and a failure came first. Before, the failure after it added
+    to the old count, and a target answering most records tripped its breaker on scattered
+    failures (and never counted as seen healthy, so a bad record was never parked)."""
+    storage = DatabaseBreakerStorage(world.engine, Chain(world.engine, RULE).rule.target.id)
+    storage.increment_counter()
+    storage.increment_counter()
+    with world.engine.begin() as conn:
+        storage.observe(conn, {"state": "closed", "fail_counter": 2, "success_counter": 0, "opened_at": None})
+    storage.reset_counter()  # a success, its reset put off to the next observed row
+    assert storage.fresh_counter() == 0
+    storage.increment_counter()
+    assert storage.fresh_counter() == 1

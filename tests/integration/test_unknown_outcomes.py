@@ -364,3 +364,31 @@ def test_collection_fields_token_and_batch_size_saved_mid_chain_count_from_the_n
     assert all(set(r.json) == {"email"} for r in later)  # the saved fields
     assert {r.headers["authorization"] for r in later} == {"Bearer another-token-value"}
     assert sizes == [4, 2, 2, 2, 2]  # the saved batch size, from the job after the save
+
+
+# -- a batch answer that says nothing about its items ---------------------------------------------
+
+
+@pytest.mark.parametrize("answer", [Answer.no_id(), Answer.not_json()], ids=["no-results", "not-json"])
+def test_a_batch_update_answered_without_results_then_reverted_reaches_the_target(
+    engine: sa.Engine, target: TargetServer, answer: Answer
+) -> None:
+    """The target applies the batch PATCH but answers 200 without a usable result list; the mirror
+    then reverts. Before, each item was refused, and the revert was suppressed as identical to
+    what was last delivered while the target held the other body (issue 29, point 3)."""
+    batch = {"create_path": "contacts/batch", "update_path": "contacts/batch", "max_items": 10}
+    world = World(engine, target).apply(target={"batch": batch}, rule={"retry_schedule_seconds": [1]})
+    ids = [f"b-{n}" for n in range(5)]
+    world.load(*ids, name="A")
+    drive(engine, RULE)
+    world.load(*ids, name="B")
+    target.program_batch(answer, method="PATCH")
+    drive(engine, RULE)
+    assert {held(world, i)["name"] for i in ids} == {"B"}  # applied, but the answer said nothing
+    assert all(world.ledger()[i]["in_doubt"] for i in ids), world.ledger()
+
+    world.load(*ids, name="A")  # back to the body last confirmed
+    world.make_due()
+    drive(engine, RULE)
+    assert {held(world, i)["name"] for i in ids} == {"A"}
+    assert {world.ledger()[i]["status"] for i in ids} == {"delivered"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from datetime import UTC, datetime, timedelta
 
@@ -9,13 +10,16 @@ import pytest
 
 from delivery.decisions import (
     RETRY_AFTER_CAP_SECONDS,
+    after_fault,
+    awaiting_proof,
     body_digest,
     choose_verb,
     idempotency_key,
     map_payload,
     next_attempt_at,
 )
-from delivery.domain import TERMINAL_STATUSES, LedgerRow, LedgerStatus, Policy, Verb
+from delivery.domain import TERMINAL_STATUSES, LedgerRow, LedgerStatus, Outcome, Policy, Verb
+from delivery.errors import RecordFault, RecordRejected, TargetUnavailable
 
 NOW = datetime(2026, 9, 10, 12, 0, 0, tzinfo=UTC)
 SCHEDULE = (60, 300, 1800, 7200)
@@ -338,3 +342,39 @@ def test_policy_from_string() -> None:
     assert Policy("create_only") is Policy.CREATE_ONLY
     with pytest.raises(ValueError):
         Policy("create_onl")
+
+
+# -- an outage never parks a record (issue 29, point 1) ---------------------------------------------
+
+
+def _failed(attempts: int) -> LedgerRow:
+    return dataclasses.replace(ledger_row(None, LedgerStatus.FAILED), attempts=attempts)
+
+
+def _after(row: LedgerRow | None, fault: RecordFault, *, healthy: bool, max_attempts: int = 2) -> Outcome:
+    return after_fault(
+        row, fault, message="m", max_attempts=max_attempts, schedule=[60], now=NOW, target_healthy=healthy
+    )
+
+
+@pytest.mark.parametrize("healthy", [True, False])
+def test_the_failure_that_spends_the_last_attempt_never_parks_a_target_failure(healthy: bool) -> None:
+    outcome = _after(_failed(1), TargetUnavailable("HTTP 503"), healthy=healthy)
+    assert outcome.status is LedgerStatus.FAILED and outcome.attempts == 2
+    assert awaiting_proof(_failed(2), max_attempts=2)
+
+
+def test_awaiting_proof_parks_only_with_the_target_seen_healthy() -> None:
+    assert _after(_failed(2), TargetUnavailable("HTTP 503"), healthy=False).status is LedgerStatus.FAILED
+    parked = _after(_failed(2), TargetUnavailable("HTTP 503"), healthy=True)
+    assert parked.status is LedgerStatus.EXHAUSTED and parked.last_error == "gave up after 3 attempts: m"
+
+
+def test_a_refusal_on_the_last_attempt_parks_at_once() -> None:
+    outcome = _after(_failed(1), RecordRejected("HTTP 422"), healthy=False)
+    assert outcome.status is LedgerStatus.EXHAUSTED
+
+
+def test_max_attempts_one_awaits_proof_after_the_first_target_failure() -> None:
+    outcome = _after(None, TargetUnavailable("timed out"), healthy=True, max_attempts=1)
+    assert outcome.status is LedgerStatus.FAILED and outcome.attempts == 1
