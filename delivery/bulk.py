@@ -22,7 +22,7 @@ from typing import Any
 from delivery import decisions
 from delivery.breaker import TargetBreaker
 from delivery.domain import Candidate, ChainEnd, Phase, Verb
-from delivery.errors import TargetUnavailable, Unauthorized
+from delivery.errors import RuleFault, TargetUnavailable
 from delivery.grouped import GroupedJob, _Settle
 from delivery.job import JobContext
 from delivery.settle import SettleGroups
@@ -93,7 +93,7 @@ class BulkJob(GroupedJob):
         cut: Cut | None = None
         try:
             self._call(verb, indices, breaker, signals, got)
-        except Unauthorized:
+        except RuleFault:  # a refused token, the traffic control failing: raised before anything applied
             self.sent.difference_update(i for i in indices if i not in got)
             raise
         except NOT_SENT as held:

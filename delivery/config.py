@@ -58,13 +58,21 @@ class _Strict(BaseModel):
         return value
 
 
+#: The smallest durations and rate the engine computes with: a second's thousandth, and one request
+#: in a thousand seconds. Below them a value is refused at apply, naming its field, rather than
+#: accepted and met later as an overflow in every chain (`per_second: 1e-300` spaces its slots
+#: further apart than a date can reach) or as a timeout no request can meet.
+MIN_SECONDS = 0.001
+MIN_PER_SECOND = 0.001
+
+
 class BreakerConfig(_Strict):
     fail_max: int = Field(default=5, ge=1, le=10_000)
-    reset_seconds: float = Field(default=60.0, gt=0, le=86_400)
+    reset_seconds: float = Field(default=60.0, ge=MIN_SECONDS, le=86_400)
 
 
 class RateLimitConfig(_Strict):
-    per_second: float | None = Field(default=None, gt=0, le=100_000)
+    per_second: float | None = Field(default=None, ge=MIN_PER_SECOND, le=100_000)
     per_day: int | None = Field(default=None, ge=1, le=1_000_000_000)
 
     @model_validator(mode="after")
@@ -99,7 +107,7 @@ class ConnectionConfig(_Strict):
     token_env: str | None = Field(default=None, max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     # A Prefect Secret block's name (Prefect allows lowercase letters, digits and dashes).
     token_secret: str | None = Field(default=None, max_length=200, pattern=r"^[a-z0-9][a-z0-9-]*$")
-    timeout_seconds: float = Field(default=10.0, gt=0, le=600)
+    timeout_seconds: float = Field(default=10.0, ge=MIN_SECONDS, le=600)
     id_field: str = Field(default="id", min_length=1, max_length=200)
     breaker: BreakerConfig = BreakerConfig()
     # As a target: how chains commit the ledger writes of what they deliver to it (see SettleMode).
@@ -109,7 +117,7 @@ class ConnectionConfig(_Strict):
     # As a target: its request budget, shared by every rule and worker sending to it.
     rate_limit: RateLimitConfig | None = None
     # As a target: the longest a Retry-After (with a 429 or 503) pauses every send to it.
-    max_pause_seconds: float = Field(default=DEFAULT_MAX_PAUSE_SECONDS, gt=0, le=86_400)
+    max_pause_seconds: float = Field(default=DEFAULT_MAX_PAUSE_SECONDS, ge=MIN_SECONDS, le=86_400)
     # As a target: its batch endpoints.
     batch: BatchConfig | None = None
 

@@ -15,12 +15,16 @@
     │   │                                 every record would be refused alike)
     │   ├── UnusableCredential            the token is there but no HTTP header can carry it (a line
     │   │                                 break, a space, a character beyond ASCII)
-    │   └── Unauthorized                  the target refused the token: HTTP 401, or 403 unless the
-    │                                     connection says a 403 refuses one record
+    │   ├── Unauthorized                  the target refused the token: HTTP 401, or 403 unless the
+    │   │                                 connection says a 403 refuses one record
+    │   └── TrafficControlFailed          the target's traffic control could not admit a request
+    │                                     (nothing sent; the cause chained)
     └── RecordFault                     parks one record in its ledger row; the job carries on
         ├── TargetUnavailable             timeout, connection error, 5xx, 429: counts for the breaker;
-        │                                 `outcome_unknown` when the write may have been applied;
-        │                                 a 429/503 with Retry-After pauses the target instead
+        │   │                             `outcome_unknown` when the write may have been applied;
+        │   │                             a 429/503 with Retry-After pauses the target instead
+        │   └── AnswerSaysNothing         a 2xx batch answer without a usable result for an update
+        │                                 item: in doubt, sent again (counts nothing for the breaker)
         ├── RecordRejected                any other 4xx about this record
         ├── RemoteGone                    an update answered 404/410
         ├── Unaddressable                 a create answered 2xx with no usable id
@@ -146,6 +150,18 @@ class Unauthorized(RuleFault):
 
     def for_rule(self, rule: str) -> Unauthorized:
         return Unauthorized(self.connection, self.source, self.answer, rule)
+
+
+class TrafficControlFailed(RuleFault):
+    """The target's traffic control could not admit a request (its row could not be read or
+    written, a value it cannot compute with): nothing was sent, and every record would meet it
+    alike. The cause is chained; the intents of the writes it held back are taken back."""
+
+    def __init__(self, rule: str, target: str, cause: BaseException) -> None:
+        super().__init__(
+            f"rule {rule!r}: the traffic control of target {target!r} failed before a request was sent: "
+            f"{type(cause).__name__}: {cause}"
+        )
 
 
 class RecordFault(DeliveryError):

@@ -321,7 +321,9 @@ def _decide(step: RecordStep, verbs: frozenset[Verb] | None, candidate: Candidat
         assert row is not None  # an update has a row holding the remote id
         reason = IN_DOUBT if row.in_doubt else (CHANGED if row.delivered_digest else NOTHING_DELIVERED)
     if phase is Phase.DRAIN:
-        reason = f"due retry, attempt {(row.attempts if row else 0) + 1} of {step.rule.max_attempts}: {reason}"
+        attempt, limit = (row.attempts if row else 0) + 1, step.rule.max_attempts
+        proof = "; parked if it fails again with the target seen healthy" if attempt > limit else ""
+        reason = f"due retry, attempt {attempt} of {limit}{proof}: {reason}"
     if verbs is not None and plan.verb not in verbs:
         reason += f"; the writer cannot {plan.verb.value}: the chain fails here (UnsupportedDeliveryVerb)"
     return Action(plan.verb.value), reason

@@ -8,8 +8,9 @@ record (`delivery.per_record`), in groups (`delivery.grouped`) or after batch ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -20,6 +21,7 @@ from delivery.errors import (
     RecordFault,
     RuleFault,
     TargetUnavailable,
+    TrafficControlFailed,
     TrafficHeld,
     Unauthorized,
     UnexpectedCandidate,
@@ -284,8 +286,9 @@ class RecordStep:
         if self.traffic is None:
             raise RuntimeError("a step that sends needs the target's traffic control")
         for resend in range(MAX_RESENDS + 1):
-            if not self.traffic.admit(bounds):
-                raise Stopped
+            with self._admission():
+                if not self.traffic.admit(bounds):
+                    raise Stopped
             try:
                 return breaker.call(call, *args)
             except TargetUnavailable as fault:
@@ -312,8 +315,9 @@ class RecordStep:
         if traffic is None:
             raise RuntimeError("a step that sends needs the target's traffic control")
         for resend in range(MAX_RESENDS + 1):
-            if not (traffic.admits_at_once() or await traffic.admit_async(bounds, off_loop)):
-                raise Stopped
+            with self._admission():
+                if not (traffic.admits_at_once() or await traffic.admit_async(bounds, off_loop)):
+                    raise Stopped
             try:
                 with breaker.calling():
                     return await call(*args)
@@ -322,6 +326,17 @@ class RecordStep:
                 if not fault.pauses_target or await off_loop(traffic.pause, fault) > bounds.deadline or last:
                     raise
         raise AssertionError("unreachable: the last resend returns or raises")
+
+    @contextlib.contextmanager
+    def _admission(self) -> Iterator[None]:
+        """Whatever leaves the traffic control other than its own answers (held, stopped) is a
+        fault of the rule raised before anything was sent: the job takes the intent back."""
+        try:
+            yield
+        except (TrafficHeld, Stopped):
+            raise
+        except Exception as exc:
+            raise TrafficControlFailed(self.rule.name, self.rule.target.name, exc) from exc
 
     def item_outcome(self, candidate: Candidate, plan: Send, result: Any, breaker: TargetBreaker) -> Outcome:
         """The outcome of one record sent in a batch call, from its item's result: the remote id

@@ -10,7 +10,6 @@ job with `TrafficHeld`, and the chain ends `rate_limited` (Completed): the next 
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -20,10 +19,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from delivery.budget import Held, Slot, late_allowance
 from delivery.domain import Connection
 from delivery.errors import TargetUnavailable, TrafficHeld
 from delivery.store import traffic as store
-from delivery.store.traffic import SPACING_MARGIN, Held, Slot
 
 #: How long a pause read from the database stands for a target with no rate budget (one with a
 #: budget reads it with every slot it takes): another process's 429 is seen this much later at most.
@@ -35,21 +34,6 @@ MIN_PAUSE_SECONDS = 1.0
 MAX_RESENDS = 3
 #: How often a wait on an event loop looks at the job's stop signal.
 STOP_STEP_SECONDS = 0.05
-#: A sender that wakes this far (a fraction of the interval between slots) past its slot takes a
-#: new one (see `TargetTraffic._too_late`).
-LATE_FRACTION = 0.25
-
-
-def late_allowance(per_second: float) -> float:
-    """How late past its slot a request may still go out: `LATE_FRACTION` of the interval between
-    slots, but at most half the room the spacing leaves. `ceil(per_second) + 1` requests span as
-    many intervals, a little over a second (`SPACING_MARGIN`); a first one sent later than that
-    span less a second would put them all in one second's window. At 20/s the quarter interval is
-    the smaller (13 ms of 50 ms of room); from 10/s down it is more than half the room (at 5/s,
-    more than all of it), and the other half is kept for the way from here to the target."""
-    interval = SPACING_MARGIN / per_second
-    room = math.ceil(per_second) * interval - 1.0
-    return min(LATE_FRACTION * interval, room / 2)
 
 
 @dataclass(frozen=True)
@@ -117,6 +101,8 @@ class TargetTraffic:
             if isinstance(got, Slot):
                 if not self._wait(got.at, bounds):
                     return False
+                if got.at > now and self._paused_meanwhile():
+                    continue  # a pause began while it waited for its slot: it waits for the pause
                 if self._too_late(got.at):
                     continue  # the slot has passed: sending now would crowd the next one's
                 return True
@@ -133,10 +119,13 @@ class TargetTraffic:
         goes out right after the wait's last check that it is not too late (a hop back from a
         thread, on a busy machine, could land it on the next slot's heels)."""
         while True:
-            got = await off_loop(self._take, self.clock(), bounds.deadline)
+            now = self.clock()
+            got = await off_loop(self._take, now, bounds.deadline)
             if isinstance(got, Slot):
                 if not await self._wait_async(got.at, bounds):
                     return False
+                if got.at > now and await off_loop(self._paused_meanwhile):
+                    continue
                 if self._too_late(got.at):
                     continue
                 return True
@@ -203,7 +192,7 @@ class TargetTraffic:
     def _take(self, now: datetime, latest: datetime) -> Slot | Held:
         if self.target.rate_limit is not None:
             with self.engine.begin() as conn:
-                return store.take_slot(conn, self.target.id, self.target.rate_limit, now, latest)
+                return store.take_slot(conn, self.target.id, self.target.rate_limit, self.clock, latest)
         with self._lock:
             cached = self._pause
         if cached is None or time.monotonic() - cached[0] >= PAUSE_READ_SECONDS:
@@ -215,6 +204,23 @@ class TargetTraffic:
                 self._pause = cached
         held = cached[1]
         return held if held is not None and held.until > now else Slot(now)
+
+    def _paused_meanwhile(self) -> bool:
+        """Whether the target is paused now: read after a wait for a slot, which was handed out
+        before a pause that began meanwhile (here, or in another process) could hold it back. A
+        slot is not a pass through a pause: nothing leaves for a paused target but the requests
+        already on their way when the pause began."""
+        now = self.clock()
+        with self._lock:
+            cached = self._pause
+        if cached is not None and cached[1] is not None and cached[1].until > now:
+            return True
+        with self.engine.connect().execution_options(readonly=True) as conn:
+            row = store.paused_until(conn, self.target.id, now)
+        held = _held(row)
+        with self._lock:
+            self._pause = (time.monotonic(), held)
+        return held is not None
 
     def _too_late(self, slot: datetime) -> bool:
         """Whether a sender woke so late for its slot (a busy machine) that its request would reach

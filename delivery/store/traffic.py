@@ -1,45 +1,25 @@
 """A target's traffic in the database: its rate budget and a pause its Retry-After asked for, shared
 by every rule, worker and process sending to it (see `delivery.traffic`).
 
-The budget is a schedule of send slots, one every `1 / per_second` seconds (a generic cell rate
-algorithm with no burst): a sender takes the next slot in one short transaction that holds the row
-(FOR UPDATE on PostgreSQL; on SQLite the write transaction's BEGIN IMMEDIATE) and waits for it
-outside. So at most one request starts per interval, whoever sends it, without a list of past sends.
+The budget is a schedule of send slots (`delivery.budget`): a sender takes the next slot in one
+short transaction that holds the row (FOR UPDATE on PostgreSQL; on SQLite the write transaction's
+BEGIN IMMEDIATE) and waits for it outside. So at most one request starts per interval, whoever
+sends it, without a list of past sends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
+from delivery import budget
+from delivery.budget import Held, Slot
 from delivery.domain import RateLimit
 from delivery.store.tables import target_traffic_table
-
-#: Slots are spaced this much wider than `1 / per_second`: a request's own delays between taking
-#: its slot and reaching the target (a thread woken late, a busy network) must not bunch two
-#: requests closer than the target counts, or one window would see one request too many.
-SPACING_MARGIN = 1.05
-
-
-@dataclass(frozen=True)
-class Slot:
-    """A send may start at `at` (now or later): it has been counted against the budget."""
-
-    at: datetime
-
-
-@dataclass(frozen=True)
-class Held:
-    """No send may start before `until`; `reason` says why (a pause, the day's budget spent, the
-    next free slot). Nothing was counted."""
-
-    until: datetime
-    reason: str
-    paused: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,33 +54,21 @@ def _locked(conn: sa.Connection, connection_id: int) -> TrafficRow:
 
 
 def take_slot(
-    conn: sa.Connection, connection_id: int, limit: RateLimit | None, now: datetime, latest: datetime
+    conn: sa.Connection, connection_id: int, limit: RateLimit | None, clock: Callable[[], datetime], latest: datetime
 ) -> Slot | Held:
-    """Count one send against the target's budget, at the first moment it allows, unless that is
-    after `latest` or the target is paused (then nothing is counted). Call inside a transaction."""
+    """Count one send against the target's budget, at the first moment it allows
+    (`delivery.budget.next_slot`), unless that is after `latest` or the target is paused (then
+    nothing is counted). Call inside a transaction. The moment is read from `clock` once the row is
+    held: a sender that waited for the row (another sender held it) must not be handed a slot for
+    a moment that has passed."""
     row = _locked(conn, connection_id)
-    if row.paused_until is not None and row.paused_until > now:
-        return Held(row.paused_until, row.pause_reason or "paused", paused=True)
-    if limit is None:
-        return Slot(now)
-    values: dict[str, object] = {}
-    if limit.per_day is not None:
-        today = now.date().isoformat()
-        count = row.day_count if row.day == today else 0
-        if count >= limit.per_day:
-            midnight = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), now.tzinfo)
-            return Held(midnight, f"the day's budget of {limit.per_day} requests is spent")
-        values.update(day=today, day_count=count + 1)
-    at = now
-    if limit.per_second is not None:
-        at = max(row.next_send_at or now, now)
-        if at > latest:
-            return Held(at, f"the budget of {limit.per_second:g} requests a second is taken until then")
-        values["next_send_at"] = at + timedelta(seconds=SPACING_MARGIN / limit.per_second)
-    conn.execute(
-        target_traffic_table.update().where(target_traffic_table.c.connection_id == connection_id).values(**values)
-    )
-    return Slot(at)
+    ledger = budget.Ledger(row.next_send_at, row.day, row.day_count, row.paused_until, row.pause_reason)
+    got, changes = budget.next_slot(ledger, limit, clock(), latest)
+    if changes:
+        conn.execute(
+            target_traffic_table.update().where(target_traffic_table.c.connection_id == connection_id).values(**changes)
+        )
+    return got
 
 
 def pause(conn: sa.Connection, connection_id: int, until: datetime, reason: str, now: datetime) -> bool:

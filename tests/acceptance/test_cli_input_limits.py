@@ -273,3 +273,26 @@ def test_an_unreachable_database_is_one_error_line_exit_1_without_the_password(t
         assert proc.stderr.startswith("error: DELIVERY_DATABASE_URL: cannot connect to postgresql+psycopg://ops:***@")
         assert "Connection refused" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
         assert "s3cret" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "path"),
+    [
+        ("rate_limit", {"per_second": 1e-300}, "connections[0].rate_limit.per_second"),
+        ("rate_limit", {"per_second": 5e-324}, "connections[0].rate_limit.per_second"),
+        ("timeout_seconds", 1e-300, "connections[0].timeout_seconds"),
+        ("breaker", {"reset_seconds": 1e-300}, "connections[0].breaker.reset_seconds"),
+        ("max_pause_seconds", 1e-300, "connections[0].max_pause_seconds"),
+    ],
+    ids=["per-second", "per-second-subnormal", "timeout", "reset", "max-pause"],
+)
+def test_apply_refuses_numbers_the_engine_cannot_compute_with_exit_2_nothing_written(
+    engine: sa.Engine, tmp_path: Path, key: str, value: Any, path: str
+) -> None:
+    """Before: `rate_limit: {per_second: 1e-300}` was saved and every chain then failed with an
+    OverflowError (issue 29, point 6)."""
+    import yaml
+
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(config(target={key: value})), encoding="utf-8")
+    refused(delivery("apply", "tiny.yaml", cwd=tmp_path), f"error: {path}: Input should be greater than or equal to")
+    assert_catalog_empty(engine)

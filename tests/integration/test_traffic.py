@@ -186,3 +186,77 @@ def test_a_sender_that_wakes_too_late_for_its_slot_takes_a_new_one(
         world.engine, Chain(world.engine, RULE).rule.target, clock=lambda: slot + timedelta(milliseconds=late_ms)
     )
     assert traffic._too_late(slot) is not sent
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["thread", "event-loop"])
+def test_a_slot_handed_out_before_a_pause_does_not_cross_it(world: World, asynchronous: bool) -> None:
+    """Two processes share a budget: B takes the next slot, then A's request is answered 429 with
+    Retry-After while B waits for that slot. B must not send when it wakes: the pause holds it,
+    and a pause beyond its job's deadline ends the job `rate_limited` (issue 29, point 2; before,
+    B was admitted in the middle of the pause)."""
+    import asyncio
+
+    from delivery.errors import TargetUnavailable, TrafficHeld
+    from delivery.traffic import JobBounds
+
+    world.apply(target={"rate_limit": {"per_second": 10}})
+    target = Chain(world.engine, RULE).rule.target
+    a = TargetTraffic(world.engine, target, clock=utcnow)
+    b = TargetTraffic(world.engine, target, clock=utcnow)
+    bounds = JobBounds(deadline=utcnow() + timedelta(seconds=30))
+    assert a.admit(bounds)  # A's slot: now; B's will be the next, about 0.1 s later
+    slot_at: list[datetime] = []
+    real_take = b._take
+
+    def take_then_pause(now: datetime, latest: datetime) -> object:
+        got = real_take(now, latest)
+        if not slot_at:
+            slot_at.append(getattr(got, "at", now))
+            # A's answer arrives while B waits for its slot: a pause of 60 s.
+            a.pause(TargetUnavailable("HTTP 429", 60.0, status_code=429))
+        return got
+
+    b._take = take_then_pause  # type: ignore[method-assign]
+    short = JobBounds(deadline=utcnow() + timedelta(seconds=5))
+
+    async def off_loop(call: object, *args: object) -> object:
+        return call(*args)  # type: ignore[operator]
+
+    with pytest.raises(TrafficHeld) as held:
+        if asynchronous:
+            asyncio.run(b.admit_async(short, off_loop))
+        else:
+            b.admit(short)
+    assert slot_at and slot_at[0] > utcnow() - timedelta(seconds=5)
+    assert held.value.until > utcnow() + timedelta(seconds=50)  # held by the pause, not the budget
+
+
+@pytest.mark.parametrize("path", ["grouped", "grouped-threads", "per_record", "batch"])
+def test_whatever_leaves_the_admission_takes_the_intent_back(
+    world: World, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """Before: an OverflowError from the budget (`per_second: 1e-300`, refused at apply since) failed
+    the chain and left each create's intent as a due failure that was never sent (issue 29, 6)."""
+    from delivery import chain as chain_module
+    from delivery.errors import TrafficControlFailed
+
+    settle, _, threads = path.partition("-")
+    connection: dict[str, object] = {"rate_limit": {"per_second": 10}}
+    if settle == "batch":
+        connection["batch"] = {"create_path": "contacts/batch", "max_items": 10}
+    else:
+        connection["settle"] = settle
+    if threads:
+        monkeypatch.setattr(chain_module, "offers_async", lambda _writer: False)
+    world.apply(target=connection)
+    world.load("a", "b")
+
+    def overflow(*_args: object) -> object:
+        raise OverflowError("date value out of range")
+
+    monkeypatch.setattr(TargetTraffic, "_take", overflow)
+    with pytest.raises(TrafficControlFailed) as caught:
+        drive(world.engine, RULE)
+    assert "OverflowError: date value out of range" in str(caught.value)
+    assert world.ledger() == {}  # no intent left behind, no attempt spent
+    assert world.target.requests == []

@@ -8,8 +8,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from delivery.store.traffic import SPACING_MARGIN
-from delivery.traffic import LATE_FRACTION, late_allowance
+from delivery.budget import LATE_FRACTION, SPACING_MARGIN, late_allowance
 
 rates = st.floats(min_value=0.01, max_value=100_000, allow_nan=False, allow_infinity=False)
 
