@@ -62,6 +62,12 @@ HANDOVER_MARGIN_SECONDS = 10.0
 #: A slot taken with nobody on record is reset (ephemeral API only) after this long: by then any
 #: lease nobody renews has expired, with a margin for a holder's last renewal in flight.
 UNACCOUNTED_SECONDS = LEASE_SECONDS + 15.0
+#: On a Prefect server that repossesses expired leases (`prefect server start`), a slot taken with
+#: nobody on record is reset after this long: an expired lease is freed within one pass of its
+#: repossessor (every 15 s), so a slot still taken three passes after any lease would have expired
+#: holds a lease the server no longer knows (it restarted: it keeps leases in memory) and will
+#: never free by itself.
+UNACCOUNTED_ON_A_SERVER_SECONDS = LEASE_SECONDS + 45.0
 
 
 # -- the one rule -------------------------------------------------------------------------------
@@ -189,9 +195,11 @@ def holder_is_dead(
     return not fresh(holder.heartbeat_at, now, stale_after)
 
 
-def slot_lost(unaccounted_for_seconds: float) -> bool:
-    """A slot that has stood taken with nobody on record this long holds no live lease any more."""
-    return unaccounted_for_seconds >= UNACCOUNTED_SECONDS
+def slot_lost(unaccounted_for_seconds: float, repossessor: bool = False) -> bool:
+    """A slot that has stood taken with nobody on record this long holds no live lease any more,
+    and nothing but a reset will free it: on the ephemeral API (no repossessor) after
+    `UNACCOUNTED_SECONDS`, on a server with one after `UNACCOUNTED_ON_A_SERVER_SECONDS`."""
+    return unaccounted_for_seconds >= (UNACCOUNTED_ON_A_SERVER_SECONDS if repossessor else UNACCOUNTED_SECONDS)
 
 
 def lock_holders(engine: sa.Engine, rule_id: int) -> list[Holder]:

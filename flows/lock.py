@@ -11,8 +11,11 @@ the slot, so it is used only when nothing else can: it would otherwise let a lea
 later give back a slot that by then belongs to the next holder, and two jobs would hold the rule.
 
 - A `prefect server start` (PREFECT_API_URL) runs a repossessor that frees every lease nobody
-  renewed. There a waiter never resets: a slot taken with nobody on record, or a dead holder whose
-  release failed, is freed by the lease's expiry.
+  renewed. A slot taken with nobody on record, or a dead holder whose release failed, is first left
+  to the lease's expiry; but such a server keeps leases in memory, and after a restart a slot stays
+  taken by a lease it forgot, which nothing frees. So once the slot has stood taken with nobody on
+  record for longer than the repossessor could take (`liveness.UNACCOUNTED_ON_A_SERVER_SECONDS`),
+  a waiter resets it there too.
 - Prefect's ephemeral API (no PREFECT_API_URL: a temporary server per process; the test harness
   too) runs no repossessor, keeps leases in memory and loses them when its process ends, so
   nothing but a waiter can free such a slot. It resets only after the slot has stood taken with
@@ -268,28 +271,30 @@ class LockRepair:
 
     async def _free_unaccounted(self) -> None:
         """A slot taken and nobody on record: taken by a process killed between acquiring and
-        recording it, held by a chain superseded while still in its job, or left by an ephemeral
-        server that lost its leases. Its lease, if it has one, may be alive: never reset it before
-        that lease has surely expired, and on a server with a repossessor not at all."""
+        recording it, held by a chain superseded while still in its job, or left by a server that
+        lost its leases (the ephemeral API when its process ended; a `prefect server start`
+        restarted, since it keeps leases in memory). Its lease, if it has one, may be alive: never
+        reset it before that lease has surely expired, and on a server with a repossessor not
+        before the repossessor would surely have freed it (`liveness.slot_lost`). The delivery
+        database decides who works the rule: nobody on record that long means nobody."""
         now = self.clock()
         if self.unaccounted_since is None:
             self.unaccounted_since = now
             return
-        if not liveness.slot_lost(now - self.unaccounted_since):
-            return
-        if self.repossessor:
-            if not self.warned:
-                self.warned = True
-                self.logger.warning(
-                    "rule %s: the lock has been taken for %.0f s with no chain on record; waiting for the "
-                    "server to repossess its lease. If it never frees (a server restart that lost its "
-                    "leases), free it with: prefect gcl update %s --active-slots 0",
-                    self.chain.rule.name, now - self.unaccounted_since, self.name,
-                )  # fmt: skip
+        waited = now - self.unaccounted_since
+        if self.repossessor and liveness.slot_lost(waited) and not self.warned:
+            self.warned = True
+            self.logger.warning(
+                "rule %s: the lock has been taken for %.0f s with no chain on record; waiting up to "
+                "%.0f s in all for the server to repossess its lease, then resetting the slot",
+                self.chain.rule.name, waited, liveness.UNACCOUNTED_ON_A_SERVER_SECONDS,
+            )  # fmt: skip
+        if not liveness.slot_lost(waited, self.repossessor):
             return
         await _reset(self.name)
         self.unaccounted_since = None
-        self.logger.warning("rule %s: freed a lock slot that no live chain holds", self.chain.rule.name)
+        why = " (the server holds no lease for it: it restarted, or lost it)" if self.repossessor else ""
+        self.logger.warning("rule %s: freed a lock slot that no live chain holds%s", self.chain.rule.name, why)
 
 
 def _renew(lease_id: UUID, stop: threading.Event) -> None:

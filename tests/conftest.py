@@ -51,6 +51,7 @@ hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 #: each xdist worker takes a whole module at a time, in collection order, so a long module
 #: collected last leaves one worker running it alone while the others sit idle at the end.
 SLOWEST_FIRST = (
+    "test_server_restart",
     "test_kill_settles",
     "test_exclusivity",
     "test_warm_worker",

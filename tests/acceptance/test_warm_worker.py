@@ -17,12 +17,9 @@ One Prefect server for the module, on a PostgreSQL database of its own (it start
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
@@ -31,23 +28,16 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-import yaml
 
-from delivery.apply import apply_config
-from delivery.config import parse_config
 from delivery.store.tables import chains_table, rules_table
 from tests.integration.world import World
-from tests.prefect_server import api_call, prefect_server, stop_group
+from tests.prefect_server import api_call, prefect_server
 from tests.support.databases import create_postgres_database, drop_postgres_database
 from tests.support.in_flight import InFlight
+from tests.support.workers import DELIVERY, PREFECT, ROOT, Workers, run_tick, world_of
 from tests.target_server import TargetServer
 
-ROOT = Path(__file__).resolve().parents[2]
-PREFECT = [sys.executable, "-m", "prefect"]
-DELIVERY = str(Path(sys.executable).parent / "delivery")
 FINAL = ["COMPLETED", "FAILED", "CANCELLED", "CRASHED"]
-# (settle mode, connection): _world puts the rules on these in turn.
-SETTLES = [("grouped", "crm"), ("per_record", "crm-per-record")]
 
 pytestmark = [pytest.mark.slow]
 
@@ -82,50 +72,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict
         drop_postgres_database(name)
 
 
-class Workers:
-    """`delivery worker` processes of one test, each writing to its own log."""
-
-    def __init__(self, api: str, env: dict[str, str], logs: Path) -> None:
-        self.api, self.env, self.logs = api, env, logs
-        self.started: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, name: str, limit: int = 4, **extra_env: str) -> subprocess.Popen[bytes]:
-        with (self.logs / f"{name}.log").open("wb") as log:
-            process = subprocess.Popen(
-                [DELIVERY, "worker", "--name", name, "--limit", str(limit), "--poll-seconds", "1"],
-                cwd=ROOT,
-                env={**self.env, **extra_env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.started[name] = process
-        deadline = time.monotonic() + 90
-        while name not in {w["name"] for w in api_call("POST", f"{self.api}/work_pools/delivery/workers/filter", {})}:
-            assert process.poll() is None, f"worker {name} exited:\n{self.log(name)}"
-            assert time.monotonic() < deadline, f"worker {name} did not show up on the server:\n{self.log(name)}"
-            time.sleep(0.2)
-        return process
-
-    def log(self, name: str) -> str:
-        return (self.logs / f"{name}.log").read_text(errors="replace")
-
-    def ran(self, name: str) -> list[str]:
-        """The ids of the runs the worker took, from its own output."""
-        return re.findall(r"running .* \(([0-9a-f-]{36})\) on chain thread \d+", self.log(name))
-
-    def threads(self, name: str) -> set[str]:
-        return set(re.findall(r"on chain thread (\d+)", self.log(name)))
-
-    def assert_alive(self) -> None:
-        for name, process in self.started.items():
-            assert process.poll() is None, f"worker {name} exited:\n{self.log(name)}"
-
-    def stop(self) -> None:
-        for process in self.started.values():
-            stop_group(process)
-
-
 @pytest.fixture
 def workers(server: tuple[str, dict[str, str]], db_url: str, tmp_path: Path) -> Iterator[Workers]:
     api, env = server
@@ -135,41 +81,6 @@ def workers(server: tuple[str, dict[str, str]], db_url: str, tmp_path: Path) -> 
         yield started
     finally:
         started.stop()
-
-
-def _world(engine: sa.Engine, target: TargetServer, names: list[str], records: int, latency_s: float) -> World:
-    """Rules from one source, each to its own collection of the target, 5 records a batch (so
-    each chain is several jobs), concurrency 1. Both settle modes at once: the odd rules go
-    through a `grouped` connection (the async job), the even ones through a `per_record` one to
-    the same target (a thread per call), so each test covers both jobs side by side."""
-    world = World(engine, target)
-    config = world.config()
-    grouped = config["connections"][0]
-    config["connections"].append({**grouped, "name": "crm-per-record", "settle": "per_record"})
-    base = config["rules"][0]
-    config["rules"] = [
-        {**base, "name": name, "collection": name, "batch_size": 5, "target": SETTLES[i % 2][1]}
-        for i, name in enumerate(names)
-    ]
-    with engine.begin() as conn:
-        apply_config(conn, parse_config(yaml.safe_dump(config)))
-    world.load(*(f"c-{i}" for i in range(1, records + 1)))
-    target.latency_ms = int(latency_s * 1000)
-    return world
-
-
-def _tick(env: dict[str, str], db_url: str, cwd: Path, **extra_env: str) -> dict[str, Any]:
-    done = subprocess.run(
-        [DELIVERY, "tick", "--json"],
-        cwd=cwd,
-        env={**env, "DELIVERY_DATABASE_URL": db_url, **extra_env},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    result: dict[str, Any] = json.loads(done.stdout)
-    return result
 
 
 def _runs(api: str, after: Collection[str] = ()) -> list[dict[str, Any]]:
@@ -202,14 +113,14 @@ def test_two_warm_workers_share_the_chains_and_deliver_every_record_once(
     tmp_path: Path,
 ) -> None:
     names = [f"contacts-{i}" for i in range(1, 5)]
-    world = _world(engine, target, names, records=30, latency_s=0.05)
+    world = world_of(engine, target, names, records=30, latency_s=0.05)
     in_flight = InFlight(target)
     api, env = server
     earlier = {str(run["id"]) for run in _runs(api)}
     for name in ("warm-1", "warm-2"):
         workers.start(name, limit=4)
 
-    tick = _tick(env, db_url, tmp_path)
+    tick = run_tick(env, db_url, tmp_path)
     assert tick["started"] == len(names), tick
     deployment = api_call("GET", f"{api}/deployments/name/deliver-rule/deliver-rule")
     for rule in names:  # a second run of every rule while the tick's are in flight: two chains race
@@ -254,11 +165,11 @@ def test_a_run_cancelled_from_the_api_ends_cancelled_and_sigterm_cancels_the_run
     tmp_path: Path,
 ) -> None:
     rule = "contacts-slow"
-    world = _world(engine, target, [rule], records=400, latency_s=0.05)
+    world = world_of(engine, target, [rule], records=400, latency_s=0.05)
     api, env = server
     worker = workers.start("warm-cancel", limit=2)
 
-    tick = _tick(env, db_url, tmp_path)
+    tick = run_tick(env, db_url, tmp_path)
     run_id = tick["rules"][0]["flow_run_id"]
 
     def state(flow_run_id: str) -> str:
@@ -299,10 +210,10 @@ def test_kill_9_of_a_warm_worker_holding_several_chains_the_next_tick_takes_them
     tmp_path: Path,
 ) -> None:
     names = [f"contacts-k{i}" for i in range(1, 4)]
-    world = _world(engine, target, names, records=150, latency_s=0.03)
+    world = world_of(engine, target, names, records=150, latency_s=0.03)
     api, env = server
     first = workers.start("warm-doomed", limit=4)
-    tick = _tick(env, db_url, tmp_path)
+    tick = run_tick(env, db_url, tmp_path)
     doomed = {r["flow_run_id"] for r in tick["rules"]}
     assert tick["started"] == len(names)
 
@@ -321,7 +232,7 @@ def test_kill_9_of_a_warm_worker_holding_several_chains_the_next_tick_takes_them
     replaced: set[str] = set()
 
     def all_replaced() -> bool:
-        result = _tick(env, db_url, tmp_path, DELIVERY_DEAD_CHAIN_MINUTES="0.05")
+        result = run_tick(env, db_url, tmp_path, DELIVERY_DEAD_CHAIN_MINUTES="0.05")
         replaced.update(rule["rule"] for rule in result["rules"] if rule["replaced"])
         return replaced == set(names)
 

@@ -253,13 +253,17 @@ def test_a_timeout_after_the_target_took_the_create_then_a_change_ends_with_the_
 def test_a_requeued_exhausted_create_ends_with_the_latest_body(world: World) -> None:
     world.apply(rule={"max_attempts": 1})
     world.load("c-1", name="First")
-    world.target.program(world.key("c-1"), Answer.timeout(1.0))
+    # A create timed out (the target applies it late), then its retry is refused: parked. (A
+    # timeout alone never parks it: it may be an outage, ADR-0039.)
+    world.target.program(world.key("c-1"), Answer.timeout(1.0), Answer.status(422))
     world.set_timeout()
-    assert world.run()["scanned"]["exhausted"] == 1
+    assert world.run()["scanned"]["failed"] == 1
     world.set_timeout(REQUEST_TIMEOUT_SECONDS)
     deadline = time.monotonic() + 5
     while not world.target.records("contacts") and time.monotonic() < deadline:
         time.sleep(0.05)
+    world.make_due()
+    assert world.run()["drained"]["exhausted"] == 1
     world.load("c-1", name="Second")
     with world.engine.begin() as conn:
         requeue.requeue(conn, catalog.get_rule(conn, RULE), requeue.Selection(), "ops", utcnow())

@@ -60,11 +60,18 @@ def test_a_passing_failure_is_failed_with_the_next_attempt_from_the_schedule(fau
     assert second.create_generation == 2 and second.last_error == "why"
 
 
-@pytest.mark.parametrize("fault", [TargetUnavailable("503"), RecordRejected("422")])
-def test_the_failure_that_reaches_max_attempts_is_exhausted(fault: RecordFault) -> None:
-    outcome = _after(_row(attempts=2), fault, max_attempts=3)
+def test_the_refusal_that_reaches_max_attempts_is_exhausted() -> None:
+    outcome = _after(_row(attempts=2), RecordRejected("422"), max_attempts=3)
     assert (outcome.status, outcome.attempts, outcome.next_attempt_at) == (LedgerStatus.EXHAUSTED, 3, None)
     assert outcome.last_error == "gave up after 3 attempts: why"
+
+
+def test_a_target_failure_that_reaches_max_attempts_awaits_proof() -> None:
+    """It may be an outage the breaker has not tripped on yet (ADR-0039): the record stays failed,
+    its attempts at the limit, and is parked only if it fails again with the target seen healthy."""
+    outcome = _after(_row(attempts=2), TargetUnavailable("503"), max_attempts=3)
+    assert (outcome.status, outcome.attempts) == (LedgerStatus.FAILED, 3)
+    assert outcome.next_attempt_at is not None
 
 
 def test_retry_after_defers_the_next_attempt() -> None:
