@@ -113,9 +113,16 @@ def test_a_server_killed_and_started_again_mid_chain_does_not_stop_the_rule(
             assert time.monotonic() < deadline, workers.log("w1")
             time.sleep(0.2)
         assert delivered() < RECORDS
+        # Kill the server while a job holds the rule's lock: the target holds its answers, so the
+        # job in flight cannot end (and give the slot back) before the server is gone.
+        target.hold()
+        while not target.in_flight:
+            workers.assert_alive()
+            assert time.monotonic() < deadline, workers.log("w1")
+            time.sleep(0.05)
         server.kill()
-        time.sleep(1)
         server.start()
+        target.release()
         restarted = time.monotonic()
 
         # The ticks the schedule would run, every few seconds here; the threshold judges the old
