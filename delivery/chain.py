@@ -55,12 +55,16 @@ from delivery.settings import settings
 from delivery.step import RecordStep
 from delivery.storable import storable_text
 from delivery.store import catalog, chains, ledger
+from delivery.store.oauth import RefreshTokens
 from delivery.traffic import TargetTraffic, TrafficListener
 from delivery.writers.base import (
     SecretReader,
     Writer,
     accepts_concurrency,
+    accepts_credentials,
+    credentials_for,
     offers_async,
+    secret_sources,
     single_verbs_of,
     token_for,
     token_problem,
@@ -165,6 +169,9 @@ class Chain:
         options: dict[str, Any] = {"token": token}
         if accepts_concurrency(writer_type):
             options["concurrency"] = rule.concurrency if writer_type.thread_safe else 1
+        if rule.target.auth is not None and accepts_credentials(writer_type):
+            options["credentials"] = self._read_credentials(rule)
+            options["refresh_store"] = RefreshTokens(self.engine, rule.target.id)
         writer = writer_type(rule.target, rule.collection, **options)
         if self._writer is not None:
             self._writer.close()
@@ -178,6 +185,23 @@ class Chain:
             )
             self._waited_before += waited
         self._step = RecordStep(rule, writer, token, self.clock, self._traffic)
+
+    def _read_credentials(self, rule: Rule) -> dict[str, str]:
+        """The secrets of the target's `auth`, each read now; one missing, or that no header can
+        carry, is a fault of the rule naming where it should come from."""
+        values = credentials_for(rule.target, self._secrets)
+        for name, env, block in secret_sources(rule.target):
+            value = values.get(name)
+            if value is None:
+                if block is not None and self._secrets is None:
+                    why = "which cannot be read here: no Prefect Secret reader was given"
+                    raise MissingCredential(rule.name, rule.target.name, block=block, why=why)
+                raise MissingCredential(rule.name, rule.target.name, env, block=block)
+            problem = token_problem(value) if name != "password" else None
+            if problem is not None:
+                where = f"the Prefect Secret block {block!r}" if block else f"${env}"
+                raise UnusableCredential(rule.name, rule.target.name, where, problem)
+        return {name: value for name, value in values.items() if value is not None}
 
     def _read_token(self, rule: Rule) -> str | None:
         secrets = self._secrets

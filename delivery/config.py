@@ -9,21 +9,25 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 from types import UnionType
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import httpx
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from delivery import templates
 from delivery.domain import (
     DEFAULT_MAX_PAUSE_SECONDS,
+    AuthSettings,
     BatchEndpoints,
     BreakerSettings,
     ConnectionSpec,
     ConnectionStatus,
     Forbidden,
+    Nulls,
     Policy,
     RateLimit,
+    RequestShape,
     RuleSpec,
     SavedRule,
     SettleMode,
@@ -31,6 +35,7 @@ from delivery.domain import (
 )
 from delivery.errors import ConfigError
 from delivery.storable import text_problem
+from delivery.templates import METHODS
 from delivery.writers.base import Writer, batch_verbs_of, verbs_of
 from delivery.writers.registry import find_writer, registered_drivers
 
@@ -98,6 +103,97 @@ class BatchConfig(_Strict):
         return self
 
 
+EnvName = Annotated[str, Field(max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+# A Prefect Secret block's name (Prefect allows lowercase letters, digits and dashes).
+BlockName = Annotated[str, Field(max_length=200, pattern=r"^[a-z0-9][a-z0-9-]*$")]
+# An HTTP header's name (RFC 9110's token characters) and a value a header can carry.
+HeaderName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")]
+HeaderValue = Annotated[str, Field(max_length=2000, pattern=r"^[\x20-\x7e]*$")]
+
+#: The secrets each auth kind reads, each from an environment variable (`NAME_env`) or a Prefect
+#: Secret block (`NAME_secret`).
+AUTH_SECRETS: dict[str, tuple[str, ...]] = {
+    "bearer": ("token",),
+    "header": ("token",),
+    "basic": ("username", "password"),
+    "oauth2": ("client_id", "client_secret", "refresh_token"),
+}
+
+
+class AuthConfig(_Strict):
+    """How requests to a target prove who sends them (see `delivery.domain.AuthSettings`)."""
+
+    kind: Literal["bearer", "header", "basic", "oauth2"]
+    header: HeaderName | None = None
+    token_env: EnvName | None = None
+    token_secret: BlockName | None = None
+    username_env: EnvName | None = None
+    username_secret: BlockName | None = None
+    password_env: EnvName | None = None
+    password_secret: BlockName | None = None
+    token_url: str | None = Field(default=None, max_length=2000, pattern=r"^https?://[^\s]+$")
+    grant: Literal["refresh_token", "client_credentials"] | None = None
+    client_id_env: EnvName | None = None
+    client_id_secret: BlockName | None = None
+    client_secret_env: EnvName | None = None
+    client_secret_secret: BlockName | None = None
+    refresh_token_env: EnvName | None = None
+    refresh_token_secret: BlockName | None = None
+    scope: str | None = Field(default=None, min_length=1, max_length=1000, pattern=r"^[\x21-\x7e]+( [\x21-\x7e]+)*$")
+
+    @model_validator(mode="after")
+    def _keys_of_the_kind(self) -> AuthConfig:
+        problems = []
+        needed = set(AUTH_SECRETS[self.kind])
+        if self.kind == "oauth2" and self.grant == "client_credentials":
+            needed.discard("refresh_token")
+        for secret in sorted({name for names in AUTH_SECRETS.values() for name in names}):
+            env, block = getattr(self, f"{secret}_env"), getattr(self, f"{secret}_secret")
+            if secret not in needed:
+                if env is not None or block is not None:
+                    given = f"{secret}_env" if env is not None else f"{secret}_secret"
+                    problems.append(f"{given} is not read by kind {self.kind}" + _grant_note(self, secret))
+            elif env is None and block is None:
+                problems.append(f"kind {self.kind} needs {secret}_env or {secret}_secret")
+            elif env is not None and block is not None:
+                problems.append(f"{secret}_env and {secret}_secret: name one of them, not both")
+        only = {"header": self.kind == "header", "token_url": self.kind == "oauth2", "grant": self.kind == "oauth2"}
+        for key, belongs in only.items():
+            if belongs and getattr(self, key) is None:
+                problems.append(f"kind {self.kind} needs {key}")
+            elif not belongs and getattr(self, key) is not None:
+                problems.append(f"{key} is not read by kind {self.kind}")
+        if self.scope is not None and self.kind != "oauth2":
+            problems.append(f"scope is not read by kind {self.kind}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def settings(self) -> AuthSettings:
+        return AuthSettings(
+            kind=self.kind,
+            keys=tuple((key, value) for key, value in self.model_dump(exclude_none=True).items() if key != "kind"),
+        )
+
+
+def _grant_note(auth: AuthConfig, secret: str) -> str:
+    return " with grant client_credentials" if auth.kind == "oauth2" and secret == "refresh_token" else ""
+
+
+class RequestConfig(_Strict):
+    """One verb's request, as the target documents it (see `delivery.templates`)."""
+
+    method: str | None = None
+    path: str = Field(min_length=1, max_length=2000)
+    body: Any = "{{ fields }}"
+    id_at: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[^.\s]+(\.[^.\s]+)*$")
+
+
+class RequestsConfig(_Strict):
+    create: RequestConfig | None = None
+    update: RequestConfig | None = None
+
+
 class ConnectionConfig(_Strict):
     name: Name
     driver: str | None = Field(default=None, min_length=1, max_length=200)
@@ -120,6 +216,10 @@ class ConnectionConfig(_Strict):
     max_pause_seconds: float = Field(default=DEFAULT_MAX_PAUSE_SECONDS, ge=MIN_SECONDS, le=86_400)
     # As a target: its batch endpoints.
     batch: BatchConfig | None = None
+    # As a target: headers sent with every request, each verb's request, and how it authenticates.
+    headers: dict[HeaderName, HeaderValue] | None = None
+    requests: RequestsConfig | None = None
+    auth: AuthConfig | None = None
 
     @field_validator("base_url")
     @classmethod
@@ -135,6 +235,11 @@ class ConnectionConfig(_Strict):
         # them would not know whether it counts.
         if self.token_env is not None and self.token_secret is not None:
             raise ValueError("token_env and token_secret: name one of them, not both")
+        if self.auth is not None and (self.token_env is not None or self.token_secret is not None):
+            given = "token_env" if self.token_env is not None else "token_secret"
+            raise ValueError(
+                f"auth and {given}: name the credentials in one place (auth: {{kind: bearer, {given}: ...}})"
+            )
         return self
 
     def spec(self) -> ConnectionSpec:
@@ -157,7 +262,21 @@ class ConnectionConfig(_Strict):
             batch=None
             if self.batch is None
             else BatchEndpoints(self.batch.create_path, self.batch.update_path, self.batch.max_items),
+            headers=tuple(sorted((self.headers or {}).items())),
+            requests=self._request_shapes(),
+            auth=None if self.auth is None else self.auth.settings(),
         )
+
+    def _request_shapes(self) -> tuple[tuple[str, RequestShape], ...]:
+        if self.requests is None:
+            return ()
+        shapes = []
+        for verb in ("create", "update"):
+            request: RequestConfig | None = getattr(self.requests, verb)
+            if request is not None:
+                method = request.method or METHODS[verb][0]
+                shapes.append((verb, RequestShape(method, request.path, request.body, request.id_at)))
+        return tuple(shapes)
 
 
 def base_url_problem(url: str) -> str | None:
@@ -211,6 +330,8 @@ class RuleConfig(_Strict):
     fields: dict[str, str] | None = None
     enabled: bool = True
     concurrency: int = Field(default=1, ge=1, le=64)
+    # A mapped field whose value is null: sent as null (clearing it in the target), or left out.
+    nulls: Nulls = Nulls.SEND
 
     @field_validator("collection")
     @classmethod
@@ -251,6 +372,7 @@ class RuleConfig(_Strict):
             fields=self.fields,
             enabled=self.enabled,
             concurrency=self.concurrency,
+            nulls=self.nulls,
         )
 
 
@@ -436,7 +558,32 @@ def parse_config(text: str, origin: str = "config") -> DeliveryConfig:
             problems.append(f"{_location(error['loc'])}: {message}")
         raise ConfigError(problems) from exc
     _check_unique_names(config)
+    requests = _request_problems(config)
+    if requests:
+        raise ConfigError(requests)
     return config
+
+
+def _request_problems(config: DeliveryConfig) -> list[str]:
+    """Each verb's request template checked (`delivery.templates.problems`): its method, its
+    placeholders (the verb's own), its path. Every problem names its key path."""
+    problems = []
+    for index, connection in enumerate(config.connections):
+        if connection.requests is None:
+            continue
+        for verb in ("create", "update"):
+            request: RequestConfig | None = getattr(connection.requests, verb)
+            if request is None:
+                continue
+            where = f"connections[{index}].requests.{verb}"
+            if request.method is not None and request.method not in METHODS[verb]:
+                problems.append(f"{where}.method: {request.method!r} is not one of {' | '.join(METHODS[verb])}")
+            allowed = templates.VERB_PLACEHOLDERS[verb]
+            problems.extend(templates.problems(request.path, f"{where}.path", allowed, path=True))
+            problems.extend(templates.problems(request.body, f"{where}.body", allowed))
+            if verb != "create" and request.id_at is not None:
+                problems.append(f"{where}.id_at: only a create's answer gives the record's id")
+    return problems
 
 
 def check_text(config: DeliveryConfig) -> None:

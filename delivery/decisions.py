@@ -136,12 +136,15 @@ def next_attempt_at(
     return now + timedelta(seconds=delay)
 
 
-def map_payload(payload: Mapping[str, Any], fields: Mapping[str, str] | None) -> dict[str, Any]:
+def map_payload(
+    payload: Mapping[str, Any], fields: Mapping[str, str] | None, *, skip_nulls: bool = False
+) -> dict[str, Any]:
     """The body a target receives: `fields` maps target field <- payload field; none = whole payload.
-    A payload field that is absent is sent as null so the target field is cleared, not left stale."""
-    if fields is None:
-        return dict(payload)
-    return {target: payload.get(source) for target, source in fields.items()}
+    A payload field that is absent is sent as null so the target field is cleared, not left stale,
+    unless the rule says `nulls: skip`: then a field whose value is null is left out, and the
+    target keeps its value."""
+    body = dict(payload) if fields is None else {target: payload.get(source) for target, source in fields.items()}
+    return {k: v for k, v in body.items() if v is not None} if skip_nulls else body
 
 
 def body_digest(body: Mapping[str, Any]) -> str:

@@ -145,6 +145,42 @@ class BatchEndpoints:
     max_items: int = 100
 
 
+@dataclass(frozen=True)
+class RequestShape:
+    """One verb's request as a connection describes it (`requests.create`...): the method, the
+    path and body templates (`delivery.templates`), and for a create where its answer gives the
+    record's id (a dotted path; None: the connection's `id_field`)."""
+
+    method: str
+    path: str
+    body: Any = field(default="{{ fields }}", hash=False)
+    id_at: str | None = None
+
+
+@dataclass(frozen=True)
+class AuthSettings:
+    """How requests to a target authenticate (`auth`): its kind (bearer, header, basic, oauth2)
+    and its other keys as configured: where each secret comes from (`token_env`,
+    `client_secret_secret`...), never a value, and `header`, `token_url`, `grant`, `scope`."""
+
+    kind: str
+    keys: tuple[tuple[str, str], ...] = ()
+
+    def get(self, key: str) -> str | None:
+        return dict(self.keys).get(key)
+
+    def as_json(self) -> dict[str, str]:
+        return {"kind": self.kind, **dict(self.keys)}
+
+
+class Nulls(enum.StrEnum):
+    """What a rule does with a mapped field whose value is null: send it (clearing the target's
+    value) or skip it (the target keeps its value)."""
+
+    SEND = "send"
+    SKIP = "skip"
+
+
 #: The longest a target's Retry-After pauses it, unless its connection says otherwise.
 DEFAULT_MAX_PAUSE_SECONDS = 900.0
 
@@ -173,6 +209,17 @@ class Connection:
     max_pause_seconds: float = DEFAULT_MAX_PAUSE_SECONDS
     #: As a target: its batch endpoints (None: one record per call).
     batch: BatchEndpoints | None = None
+    #: As a target: headers sent with every request, as (name, value).
+    headers: tuple[tuple[str, str], ...] = ()
+    #: As a target: each verb's request where the connection describes it, as (verb, shape).
+    requests: tuple[tuple[str, RequestShape], ...] = ()
+    #: As a target: how its requests authenticate (None: the bearer token of `token_env` /
+    #: `token_secret`, or none).
+    auth: AuthSettings | None = None
+
+    def request(self, verb: str) -> RequestShape | None:
+        """The request the connection describes for `verb`, or None (the built-in one)."""
+        return dict(self.requests).get(verb)
 
 
 @dataclass(frozen=True)
@@ -194,6 +241,7 @@ class Rule:
     concurrency: int = 1
     #: Moved by every change of source or domain; part of the Idempotency-Key (see `decisions.idempotency_key`).
     key_epoch: int = 0
+    nulls: Nulls = Nulls.SEND
 
 
 @dataclass(frozen=True)
@@ -215,6 +263,9 @@ class ConnectionSpec:
     rate_limit: RateLimit | None = None
     max_pause_seconds: float = DEFAULT_MAX_PAUSE_SECONDS
     batch: BatchEndpoints | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    requests: tuple[tuple[str, RequestShape], ...] = ()
+    auth: AuthSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -234,6 +285,7 @@ class RuleSpec:
     fields: dict[str, str] | None
     enabled: bool
     concurrency: int
+    nulls: Nulls = Nulls.SEND
 
 
 class SavedRule(NamedTuple):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import sqlalchemy as sa
 
@@ -146,6 +147,9 @@ def connection_overview(conn: sa.Connection, now: datetime) -> list[dict[str, An
                 "pause_reason": row.pause_reason if until is not None and row is not None else None,
                 "max_pause_seconds": c.max_pause_seconds,
                 "traffic": traffic_text(c, row, now),
+                "base_url": masked_url(c.base_url),
+                "auth": auth_view(c),
+                "auth_text": auth_text(c),
             }
         )
     return result
@@ -236,3 +240,39 @@ def status_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         for r in rows
     ]
+
+
+def auth_view(connection: Connection) -> dict[str, str] | None:
+    """How the connection's requests authenticate, as configured: the kind and where each secret
+    comes from, never a value (`auth`, or the bearer token of `token_env` / `token_secret`)."""
+    if connection.auth is not None:
+        return connection.auth.as_json()
+    if connection.token_env:
+        return {"kind": "bearer", "token_env": connection.token_env}
+    if connection.token_secret:
+        return {"kind": "bearer", "token_secret": connection.token_secret}
+    return None
+
+
+def auth_text(connection: Connection) -> str:
+    """`auth_view` in a few words: `oauth2 (env HS_CLIENT_ID, env HS_CLIENT_SECRET, ...)`."""
+    view = auth_view(connection)
+    if view is None:
+        return "-"
+    sources = [
+        f"{'env' if key.endswith('_env') else 'secret'} {value}"
+        for key, value in view.items()
+        if key.endswith(("_env", "_secret"))
+    ]
+    return f"{view['kind']} ({', '.join(sources)})" if sources else view["kind"]
+
+
+def masked_url(url: str | None) -> str | None:
+    """A base URL as shown: a password in it (`user:pw@`) masked."""
+    if not url or "@" not in url:
+        return url
+    parsed = urlsplit(url)
+    if parsed.password is None:
+        return url
+    netloc = parsed.netloc.replace(f":{parsed.password}@", ":***@", 1)
+    return urlunsplit(parsed._replace(netloc=netloc))

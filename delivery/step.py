@@ -16,7 +16,7 @@ from typing import Any
 
 from delivery import decisions
 from delivery.breaker import Refused, TargetBreaker
-from delivery.domain import Candidate, ChainEnd, LedgerRow, LedgerStatus, Outcome, Phase, Rule, Verb
+from delivery.domain import Candidate, ChainEnd, LedgerRow, LedgerStatus, Nulls, Outcome, Phase, Rule, Verb
 from delivery.errors import (
     RecordFault,
     RuleFault,
@@ -127,7 +127,7 @@ class RecordStep:
         if verb not in rule.policy.verbs:
             excluded = f"policy {rule.policy.value} excludes {verb.value}"
             return decisions.parked(row, LedgerStatus.SUPPRESSED, last_error=excluded)
-        body = decisions.map_payload(record.payload, rule.fields)
+        body = decisions.map_payload(record.payload, rule.fields, skip_nulls=rule.nulls is Nulls.SKIP)
         digest = decisions.body_digest(body)
         if verb is Verb.UPDATE and decisions.identical_to_delivered(row, digest):
             return decisions.parked(row, LedgerStatus.SUPPRESSED, last_error="identical to what was last delivered")
@@ -234,6 +234,8 @@ class RecordStep:
         creates, updates = (CreatesAsync, UpdatesAsync) if asynchronous else (Creates, Updates)
         writer = self.writer
         remote_id = row.remote_id if row else None
+        #: The mirrored record, for a writer whose requests are described by templates.
+        extra = (record,) if writer.takes_record else ()
         #: Whether the call that failed, if one did, may have changed the record's body in the
         #: target: an update, or a create carrying a body other than the first one sent under its
         #: key (`plan.follow_up`). That first send may never have been applied (refused, dropped,
@@ -246,7 +248,7 @@ class RecordStep:
                     raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
                 generation = row.create_generation if row else 0
                 key = decisions.idempotency_key(rule.name, record.external_id, generation, rule.key_epoch)
-                remote_id = yield Verb.CREATE, (plan.body, key)
+                remote_id = yield Verb.CREATE, (plan.body, key, *extra)
                 if plan.follow_up:
                     # The same key may have carried an older body before (a crash before the
                     # settle, a timeout after the target took it): a target that honours the key
@@ -254,12 +256,12 @@ class RecordStep:
                     if not isinstance(writer, updates):
                         return decisions.delivered(row, remote_id, plan.digest, note=REPLAY_NOT_UPDATABLE)
                     updating = True
-                    yield Verb.UPDATE, (remote_id, plan.body)
+                    yield Verb.UPDATE, (remote_id, plan.body, *extra)
             else:
                 if not isinstance(writer, updates):
                     raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, plan.verb.value)
                 assert remote_id is not None
-                yield Verb.UPDATE, (remote_id, plan.body)
+                yield Verb.UPDATE, (remote_id, plan.body, *extra)
         except NOT_SENT as held:
             if plan.verb is Verb.CREATE and remote_id is not None:
                 # The create went through and the follow-up update was not sent: keep the id, and

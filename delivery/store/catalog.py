@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 from delivery.clock import utcnow
 from delivery.domain import (
+    AuthSettings,
     BatchEndpoints,
     BreakerSettings,
     Connection,
@@ -19,8 +20,10 @@ from delivery.domain import (
     ConnectionStatus,
     Cursor,
     Forbidden,
+    Nulls,
     Policy,
     RateLimit,
+    RequestShape,
     Rule,
     RuleSpec,
     SavedRule,
@@ -58,6 +61,14 @@ def connection_from_row(row: Any) -> Connection:
         batch=None
         if row.batch_create_path is None and row.batch_update_path is None
         else BatchEndpoints(row.batch_create_path, row.batch_update_path, row.batch_max_items or 100),
+        headers=tuple(sorted((row.headers or {}).items())),
+        requests=tuple(
+            (verb, RequestShape(shape["method"], shape["path"], shape.get("body", "{{ fields }}"), shape.get("id_at")))
+            for verb, shape in sorted((row.requests or {}).items())
+        ),
+        auth=None
+        if not row.auth
+        else AuthSettings(row.auth["kind"], tuple(sorted((row.auth.get("keys") or {}).items()))),
     )
 
 
@@ -87,6 +98,7 @@ def _rule_from_row(row: Any, by_id: dict[int, Connection]) -> Rule:
         cursor=cursor,
         concurrency=row.concurrency,
         key_epoch=row.key_epoch,
+        nulls=Nulls(row.nulls),
     )
 
 
@@ -322,6 +334,13 @@ def save_config(
             "batch_create_path": c.batch.create_path if c.batch else None,
             "batch_update_path": c.batch.update_path if c.batch else None,
             "batch_max_items": c.batch.max_items if c.batch else None,
+            "headers": dict(c.headers) or None,
+            "requests": {
+                verb: {"method": shape.method, "path": shape.path, "body": shape.body, "id_at": shape.id_at}
+                for verb, shape in c.requests
+            }
+            or None,
+            "auth": None if c.auth is None else {"kind": c.auth.kind, "keys": dict(c.auth.keys)},
         }
         exists = conn.execute(sa.select(connections_table.c.id).where(connections_table.c.name == c.name)).scalar()
         if c.status is not None or exists is None:
@@ -349,6 +368,7 @@ def save_config(
             "fields": r.fields,
             "enabled": r.enabled,
             "concurrency": r.concurrency,
+            "nulls": r.nulls.value,
         }
         rule_id, before = _upsert(conn, rules_table, "rule", r.name, values, report)
         if before is not None and _route_of(before) != _route_of(values):

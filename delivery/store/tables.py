@@ -72,6 +72,11 @@ connections_table = sa.Table(
     sa.Column("batch_create_path", sa.String(500)),
     sa.Column("batch_update_path", sa.String(500)),
     sa.Column("batch_max_items", sa.Integer),
+    # As a target described in configuration: headers for every request, each verb's request
+    # (method, path and body templates), how it authenticates (kinds and secret sources, never a value).
+    sa.Column("headers", sa.JSON),
+    sa.Column("requests", sa.JSON),
+    sa.Column("auth", sa.JSON),
 )
 
 mirror_records_table = sa.Table(
@@ -117,6 +122,8 @@ rules_table = sa.Table(
     # Part of every Idempotency-Key: moved on each change of the rule's source or domain, so a
     # record of the new source never sends a key the old source's record of that id once sent.
     sa.Column("key_epoch", sa.Integer, nullable=False, server_default="0"),
+    # A mapped field whose value is null: `send` it (clearing the target's value) or `skip` it.
+    sa.Column("nulls", sa.String(10), nullable=False, server_default="send"),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
 )
@@ -236,4 +243,14 @@ breaker_states_table = sa.Table(
     sa.Column("fail_counter", sa.Integer, nullable=False),
     sa.Column("success_counter", sa.Integer, nullable=False),
     sa.Column("opened_at", UTCDateTime),
+)
+
+# The refresh token an OAuth2 token endpoint rotated in, per connection: the next process starts
+# from it. The configured secret is never copied here; no command shows this table.
+oauth_refresh_tokens_table = sa.Table(
+    "oauth_refresh_tokens",
+    metadata,
+    sa.Column("connection_id", sa.Integer, sa.ForeignKey("connections.id"), primary_key=True),
+    sa.Column("refresh_token", sa.Text, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
 )

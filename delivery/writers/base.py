@@ -48,6 +48,9 @@ class Writer(ABC):
     #: Whether one instance may be called from several threads at once (a rule's `concurrency`
     #: above 1 is honoured only then; otherwise its writes stay one at a time).
     thread_safe: ClassVar[bool] = False
+    #: Whether its one-record verbs take the mirrored record as a last argument (`record`), for
+    #: requests described by templates (`{{ record.email }}`, `{{ external_id }}`).
+    takes_record: ClassVar[bool] = False
 
     def __init__(self, target: Connection, collection: str, *, token: str | None = None, concurrency: int = 1) -> None:
         """`token`: the bearer token the chain resolved for `target` (`token_for`), None for a
@@ -263,7 +266,9 @@ def token_for(target: Connection, secrets: SecretReader | None = None) -> str | 
 
 def token_source(target: Connection) -> str | None:
     """Where `target`'s token comes from, as a message names it (never the token): None when it
-    takes none."""
+    takes none. With `auth`, where each of its secrets comes from."""
+    if target.auth is not None:
+        return ", ".join(_where(env, block) for _, env, block in secret_sources(target)) or None
     if target.token_secret:
         return f"the Prefect Secret block {target.token_secret!r}"
     if target.token_env:
@@ -282,3 +287,37 @@ def token_problem(token: str) -> str | None:
     if _TOKEN_CHARS.fullmatch(token):
         return None
     return "which holds characters an HTTP header cannot carry (a token is printable ASCII, without spaces)"
+
+
+def _where(env: str | None, block: str | None) -> str:
+    return f"the Prefect Secret block {block!r}" if block else f"${env}"
+
+
+def secret_sources(target: Connection) -> list[tuple[str, str | None, str | None]]:
+    """The secrets `target`'s `auth` reads, each as (name, variable, Secret block): one of the
+    two is set. Empty without `auth`."""
+    auth = target.auth
+    if auth is None:
+        return []
+    names = ("token", "username", "password", "client_id", "client_secret", "refresh_token")
+    found = []
+    for name in names:
+        env, block = auth.get(f"{name}_env"), auth.get(f"{name}_secret")
+        if env or block:
+            found.append((name, env, block))
+    return found
+
+
+def credentials_for(target: Connection, secrets: SecretReader | None = None) -> dict[str, str | None]:
+    """The values of the secrets `target`'s `auth` reads (`secret_sources`), read now, stripped;
+    None for one that cannot be found or is blank."""
+    values: dict[str, str | None] = {}
+    for name, env, block in secret_sources(target):
+        value = (secrets(block) if secrets is not None else None) if block else secret(env or "")
+        values[name] = (value.strip() or None) if value is not None else None
+    return values
+
+
+def accepts_credentials(writer_type: type[Writer]) -> bool:
+    """Whether the writer's constructor takes `credentials` (the secrets of an `auth`)."""
+    return "credentials" in inspect.signature(writer_type.__init__).parameters

@@ -51,7 +51,7 @@ from urllib.parse import quote
 import httpx
 
 from delivery.clock import utcnow
-from delivery.domain import BatchEndpoints, Connection, Forbidden
+from delivery.domain import BatchEndpoints, Connection, Forbidden, MirrorRecord, RequestShape
 from delivery.errors import (
     AnswerSaysNothing,
     RecordRejected,
@@ -63,6 +63,7 @@ from delivery.errors import (
 )
 from delivery.redact import redact
 from delivery.storable import remote_id_problem
+from delivery.templates import MissingValue, Template, at_path
 from delivery.writers.base import (
     DEFAULT_MAX_ITEMS,
     BatchRefused,
@@ -81,6 +82,8 @@ from delivery.writers.base import (
     token_for,
     token_source,
 )
+from delivery.writers.oauth2 import OAuth2Bearer, OAuth2Settings, RefreshTokenStore, TokenSource
+from delivery.writers.oauth2 import token_source as oauth2_token_source
 from delivery.writers.pools import AsyncPools, shard_sizes
 
 #: How much of a refusing target's body reaches `last_error`: enough to see the reason.
@@ -143,6 +146,7 @@ class _RestWriter(Writer):
 
     needs_base_url = True
     thread_safe = True  # httpx.Client is safe to share between threads
+    takes_record = True  # for the connection's request templates
 
     def __init__(
         self,
@@ -153,6 +157,8 @@ class _RestWriter(Writer):
         token: str | None = None,
         concurrency: int = 1,
         async_transport: httpx.AsyncBaseTransport | None = None,
+        credentials: Mapping[str, str] | None = None,
+        refresh_store: RefreshTokenStore | None = None,
     ) -> None:
         # Built outside a chain (tests, the sandbox) with no token given: the environment's, if any.
         token = token if token is not None else token_for(target)
@@ -164,10 +170,13 @@ class _RestWriter(Writer):
                 # The type claims a batch verb the connection gives no endpoint for.
                 raise ValueError(f"connection {target.name!r} has no batch.{path}; build its writer with for_batch")
         self._token = self.token
-        headers = {"Accept": "application/json", "User-Agent": "delivery-engine"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
+        self._credentials = dict(credentials or {})
+        self._oauth2: TokenSource | None = None
+        headers = {"Accept": "application/json", "User-Agent": "delivery-engine", **dict(target.headers)}
+        auth = self._authenticate(headers, refresh_store)
+        self._requests = {verb: _Compiled.of(shape) for verb, shape in target.requests}
         self._client_options: dict[str, Any] = {
+            "auth": auth,
             "base_url": target.base_url.rstrip("/") + "/",
             "headers": headers,
             "timeout": httpx.Timeout(target.timeout_seconds),
@@ -182,6 +191,37 @@ class _RestWriter(Writer):
         self._async_transport = async_transport
         #: The async verbs' clients, bound to the event loop of the job that opened them (`aopen`).
         self._apools: AsyncPools | None = None
+
+    def _authenticate(self, headers: dict[str, str], refresh_store: RefreshTokenStore | None) -> httpx.Auth | None:
+        """Put the connection's credentials where its auth kind says (`delivery.domain.AuthSettings`);
+        the httpx auth for the kinds that need one (basic, oauth2)."""
+        auth = self.target.auth
+        kind = "bearer" if auth is None else auth.kind
+        token = self._credentials.get("token") or self._token
+        if kind == "bearer":
+            if token:
+                headers["Authorization"] = f"Bearer {token}"
+            return None
+        assert auth is not None
+        if kind == "header":
+            header = auth.get("header")
+            if token and header:
+                headers[header] = token
+            return None
+        if kind == "basic":
+            return httpx.BasicAuth(self._credentials.get("username", ""), self._credentials.get("password", ""))
+        settings = OAuth2Settings(
+            connection=self.target.name,
+            token_url=auth.get("token_url") or "",
+            grant=auth.get("grant") or "client_credentials",
+            client_id=self._credentials.get("client_id", ""),
+            client_secret=self._credentials.get("client_secret", ""),
+            refresh_token=self._credentials.get("refresh_token"),
+            scope=auth.get("scope"),
+            source=token_source(self.target) or "oauth2",
+        )
+        self._oauth2 = oauth2_token_source(settings, refresh_store, self.target.timeout_seconds)
+        return OAuth2Bearer(self._oauth2)
 
     @classmethod
     def for_batch(cls, batch: BatchEndpoints | None) -> type[Writer]:
@@ -293,7 +333,8 @@ class _RestWriter(Writer):
         return RecordRejected(what)
 
     def _clean(self, text: str) -> str:
-        return redact(text, self._token)
+        held = self._oauth2.secrets() if self._oauth2 is not None else ()
+        return redact(text, self._token, *self._credentials.values(), *held)
 
     def _excerpt(self, answer: _Answer) -> str:
         if answer.undecodable is not None:
@@ -301,31 +342,68 @@ class _RestWriter(Writer):
         # Redact before cutting: a token straddling the cut would otherwise leak its first part.
         return self._clean(answer.response.text)[:BODY_EXCERPT]
 
-    def _create(self, body: Mapping[str, Any], idempotency_key: str) -> str:
-        path = self.collection
-        return self._created_id(path, self._send("POST", path, body, {"Idempotency-Key": idempotency_key}))
+    def _create(self, body: Mapping[str, Any], idempotency_key: str, record: MirrorRecord | None = None) -> str:
+        method, path, content = self._request("create", body, record, idempotency_key=idempotency_key)
+        answer = self._send_content(
+            method, path, self._encode(method, path, content), {"Idempotency-Key": idempotency_key}
+        )
+        return self._created_id(method, path, answer)
 
-    async def _acreate(self, body: Mapping[str, Any], idempotency_key: str) -> str:
-        path = self.collection
-        return self._created_id(path, await self._asend("POST", path, body, {"Idempotency-Key": idempotency_key}))
+    async def _acreate(self, body: Mapping[str, Any], idempotency_key: str, record: MirrorRecord | None = None) -> str:
+        method, path, content = self._request("create", body, record, idempotency_key=idempotency_key)
+        answer = await self._asend(method, path, content, {"Idempotency-Key": idempotency_key})
+        return self._created_id(method, path, answer)
 
-    def _created_id(self, path: str, answer: _Answer) -> str:
+    def _request(
+        self, verb: str, body: Mapping[str, Any], record: MirrorRecord | None, **values: Any
+    ) -> tuple[str, str, Any]:
+        """The method, path and body of one record's request: the connection's template for the
+        verb (`requests`), or the built-in one (POST to the collection, PATCH to the record's
+        path, the mapped body whole). A value the template needs and the record lacks refuses
+        the record before anything is sent."""
+        compiled = self._requests.get(verb)
+        if compiled is None:
+            if verb == "create":
+                return "POST", self.collection, body
+            return "PATCH", f"{self.collection}/{_segment(values['remote_id'])}", body
+        context = {
+            "fields": dict(body),
+            "record": dict(record.payload) if record is not None else {},
+            "external_id": record.external_id if record is not None else None,
+            "collection": self.collection,
+            **values,
+        }
+        try:
+            return compiled.shape.method, compiled.path.render(context), compiled.body.render(context)
+        except MissingValue as missing:
+            raise RecordRejected(
+                self._clean(f"{compiled.shape.method} {compiled.shape.path}: {missing}; nothing was sent")
+            ) from None
+
+    def _created_id(self, method: str, path: str, answer: _Answer) -> str:
         """A create's answer judged: the id it made, or the fault it met."""
         if not answer.is_success:
-            raise self._refuse("POST", path, answer, gone_on_404=False)
+            raise self._refuse(method, path, answer, gone_on_404=False)
         if answer.undecodable is not None:
             # The create went through, but the id it made is in the body we cannot read.
             raise Unaddressable(
-                f"POST {path}: HTTP {answer.status_code} answer body cannot be decoded: {answer.undecodable}"
+                f"{method} {path}: HTTP {answer.status_code} answer body cannot be decoded: {answer.undecodable}"
             )
         try:
             decoded = answer.response.json()
         except ValueError as exc:
-            raise Unaddressable(self._clean(f"POST {path}: HTTP {answer.status_code} answer is not JSON")) from exc
-        remote_id = decoded.get(self.target.id_field) if isinstance(decoded, dict) else None
+            raise Unaddressable(self._clean(f"{method} {path}: HTTP {answer.status_code} answer is not JSON")) from exc
+        compiled = self._requests.get("create")
+        id_at = compiled.shape.id_at if compiled is not None else None
+        if id_at is not None:
+            remote_id = at_path(decoded, id_at)
+        else:
+            remote_id = decoded.get(self.target.id_field) if isinstance(decoded, dict) else None
         if (unusable := self._unusable(remote_id)) is not None:
             raise Unaddressable(
-                f"POST {path}: HTTP {answer.status_code} answer has {unusable}: {self._excerpt(answer)}"
+                self._clean(
+                    f"{method} {path}: HTTP {answer.status_code} answer has {unusable}: {self._excerpt(answer)}"
+                )
             )
         return str(remote_id)
 
@@ -334,20 +412,22 @@ class _RestWriter(Writer):
         problem = None if remote_id is None else remote_id_problem(remote_id)
         if remote_id is not None and problem is None:
             return None
-        return f"no usable {self.target.id_field!r}" + ("" if problem is None else f" (it {problem})")
+        compiled = self._requests.get("create")
+        where = compiled.shape.id_at if compiled is not None and compiled.shape.id_at else self.target.id_field
+        return f"no usable {where!r}" + ("" if problem is None else f" (it {problem})")
 
-    def _update(self, remote_id: str, body: Mapping[str, Any]) -> None:
-        path = f"{self.collection}/{_segment(remote_id)}"
-        self._updated(path, self._send("PATCH", path, body, {}))
+    def _update(self, remote_id: str, body: Mapping[str, Any], record: MirrorRecord | None = None) -> None:
+        method, path, content = self._request("update", body, record, remote_id=remote_id)
+        self._updated(method, path, self._send(method, path, content, {}))
 
-    async def _aupdate(self, remote_id: str, body: Mapping[str, Any]) -> None:
-        path = f"{self.collection}/{_segment(remote_id)}"
-        self._updated(path, await self._asend("PATCH", path, body, {}))
+    async def _aupdate(self, remote_id: str, body: Mapping[str, Any], record: MirrorRecord | None = None) -> None:
+        method, path, content = self._request("update", body, record, remote_id=remote_id)
+        self._updated(method, path, await self._asend(method, path, content, {}))
 
-    def _updated(self, path: str, answer: _Answer) -> None:
+    def _updated(self, method: str, path: str, answer: _Answer) -> None:
         # A 2xx whose body cannot be decoded is still a success: an update needs nothing from it.
         if not answer.is_success:
-            raise self._refuse("PATCH", path, answer, gone_on_404=True)
+            raise self._refuse(method, path, answer, gone_on_404=True)
 
     # -- batch verbs -----------------------------------------------------------------------------
 
@@ -517,34 +597,47 @@ def _segment(remote_id: str) -> str:
 class RestWriter(_RestWriter, Creates, Updates, CreatesAsync, UpdatesAsync):
     """`rest`: creates and updates (each also as a coroutine, for the async job)."""
 
-    def create(self, body: Mapping[str, Any], idempotency_key: str) -> str:
-        return self._create(body, idempotency_key)
+    def create(self, body: Mapping[str, Any], idempotency_key: str, record: MirrorRecord | None = None) -> str:
+        return self._create(body, idempotency_key, record)
 
-    def update(self, remote_id: str, body: Mapping[str, Any]) -> None:
-        self._update(remote_id, body)
+    def update(self, remote_id: str, body: Mapping[str, Any], record: MirrorRecord | None = None) -> None:
+        self._update(remote_id, body, record)
 
-    async def acreate(self, body: Mapping[str, Any], idempotency_key: str) -> str:
-        return await self._acreate(body, idempotency_key)
+    async def acreate(self, body: Mapping[str, Any], idempotency_key: str, record: MirrorRecord | None = None) -> str:
+        return await self._acreate(body, idempotency_key, record)
 
-    async def aupdate(self, remote_id: str, body: Mapping[str, Any]) -> None:
-        await self._aupdate(remote_id, body)
+    async def aupdate(self, remote_id: str, body: Mapping[str, Any], record: MirrorRecord | None = None) -> None:
+        await self._aupdate(remote_id, body, record)
 
 
 class RestCreateOnlyWriter(_RestWriter, Creates, CreatesAsync):
     """`rest-create-only`: a target that takes new records and offers no update."""
 
-    def create(self, body: Mapping[str, Any], idempotency_key: str) -> str:
-        return self._create(body, idempotency_key)
+    def create(self, body: Mapping[str, Any], idempotency_key: str, record: MirrorRecord | None = None) -> str:
+        return self._create(body, idempotency_key, record)
 
-    async def acreate(self, body: Mapping[str, Any], idempotency_key: str) -> str:
-        return await self._acreate(body, idempotency_key)
+    async def acreate(self, body: Mapping[str, Any], idempotency_key: str, record: MirrorRecord | None = None) -> str:
+        return await self._acreate(body, idempotency_key, record)
 
 
 class RestUpdateOnlyWriter(_RestWriter, Updates, UpdatesAsync):
     """`rest-update-only`: a target whose records exist already and can only be updated."""
 
-    def update(self, remote_id: str, body: Mapping[str, Any]) -> None:
-        self._update(remote_id, body)
+    def update(self, remote_id: str, body: Mapping[str, Any], record: MirrorRecord | None = None) -> None:
+        self._update(remote_id, body, record)
 
-    async def aupdate(self, remote_id: str, body: Mapping[str, Any]) -> None:
-        await self._aupdate(remote_id, body)
+    async def aupdate(self, remote_id: str, body: Mapping[str, Any], record: MirrorRecord | None = None) -> None:
+        await self._aupdate(remote_id, body, record)
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """One verb's request shape, its templates ready to render."""
+
+    shape: RequestShape
+    path: Template
+    body: Template
+
+    @classmethod
+    def of(cls, shape: RequestShape) -> _Compiled:
+        return cls(shape, Template(shape.path, path=True), Template(shape.body))

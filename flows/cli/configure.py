@@ -12,6 +12,7 @@ from delivery.db import upgrade
 from delivery.decisions import closed_connection
 from delivery.domain import ConnectionStatus, LedgerStatus
 from delivery.errors import InputError
+from delivery.status import auth_text, auth_view, masked_url
 from flows.cli.apps import app, db_app, mirror_app
 from flows.cli.output import (
     JsonFlag,
@@ -106,7 +107,8 @@ def mirror_load(
 
 @app.command("connections")
 def list_connections(as_json: JsonFlag = False) -> None:
-    """List connections with driver, status, base URL, token source and settle mode."""
+    """List connections with driver, status, base URL (a password masked), auth kind and where
+    its secrets come from (never a value), and settle mode."""
     with read_only() as conn:
         items = listings.connections(conn)
     rows = [
@@ -114,9 +116,10 @@ def list_connections(as_json: JsonFlag = False) -> None:
             "name": c.name,
             "driver": c.driver,
             "status": c.status.value,
-            "base_url": c.base_url,
+            "base_url": masked_url(c.base_url),
             "token_env": c.token_env,
             "token_secret": c.token_secret,
+            "auth": auth_view(c),
             "settle": c.settle.value,
         }
         for c in items
@@ -128,15 +131,13 @@ def list_connections(as_json: JsonFlag = False) -> None:
         [
             {
                 "connection": str(r["name"]),
-                "driver": r["driver"] or "-",
+                "driver": str(r["driver"] or "-"),
                 "status": str(r["status"]),
-                "base_url": r["base_url"] or "-",
-                "token": f"env {r['token_env']}"
-                if r["token_env"]
-                else (f"secret {r['token_secret']}" if r["token_secret"] else "-"),
+                "base_url": str(r["base_url"] or "-"),
+                "auth": auth_text(c),
                 "settle": str(r["settle"]),
             }
-            for r in rows
+            for c, r in zip(items, rows, strict=True)
         ],
         empty="no connections yet: `delivery apply CONFIG.yaml` saves some",
     )
@@ -166,6 +167,7 @@ def connection_status(
         print_json(shown)
         return
     say(f"connection {name}: {shown['status']}")
+    say(f"  auth: {shown['auth_text']}")
     say(f"  breaker: {shown['breaker']}")
     say(f"  traffic: {shown['traffic']}")
 

@@ -240,6 +240,7 @@ def test_connections_listing_and_status(engine: sa.Engine, applied: Path) -> Non
             "base_url": UNREACHABLE,
             "token_env": "CRM_TOKEN",
             "token_secret": None,
+            "auth": {"kind": "bearer", "token_env": "CRM_TOKEN"},
             "settle": "grouped",
         },
         {
@@ -249,6 +250,7 @@ def test_connections_listing_and_status(engine: sa.Engine, applied: Path) -> Non
             "base_url": None,
             "token_env": None,
             "token_secret": None,
+            "auth": None,
             "settle": "grouped",
         },
     ]

@@ -162,17 +162,17 @@ def test_a_writer_bug_mid_batch_fails_the_chain_and_keeps_every_outcome_gathered
     assert writer is not None
     real_create = writer.create  # type: ignore[attr-defined]
 
-    def create(body: dict[str, Any], key: str) -> str:
+    def create(body: dict[str, Any], key: str, *record: Any) -> str:
         if body["email"] == email(ids[20]):
             raise RuntimeError("a bug in the writer")
-        return real_create(body, key)  # type: ignore[no-any-return]
+        return real_create(body, key, *record)  # type: ignore[no-any-return]
 
     real_acreate = writer.acreate  # type: ignore[attr-defined]
 
-    async def acreate(body: dict[str, Any], key: str) -> str:
+    async def acreate(body: dict[str, Any], key: str, *record: Any) -> str:
         if body["email"] == email(ids[20]):
             raise RuntimeError("a bug in the writer")
-        return await real_acreate(body, key)  # type: ignore[no-any-return]
+        return await real_acreate(body, key, *record)  # type: ignore[no-any-return]
 
     writer.create = create  # type: ignore[attr-defined]
     writer.acreate = acreate  # type: ignore[attr-defined]

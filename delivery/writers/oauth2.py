@@ -1,0 +1,246 @@
+"""OAuth2 access tokens for a target (RFC 6749: the client-credentials grant, §4.4, and the
+refresh-token grant, §6), through Authlib's OAuth2 client, over httpx.
+
+One `TokenSource` per connection and process: every chain of a warm worker sending to that target
+shares its access token. The token is renewed shortly before it expires (a tenth of its lifetime,
+at most 60 s, before `expires_in` runs out; a token without a lifetime is kept until a 401), and
+once when a request is answered 401: the request is sent again with the new token, and only a 401
+on a token fetched for that very request reaches the writer (`Unauthorized`). Several requests
+meeting the same expired token renew it once.
+
+A token answer carrying a new refresh token (rotation) hands it to the connection's
+`RefreshTokenStore` (the chain keeps it in the delivery database, so the next process starts from
+it); the configured secret itself is never stored. The token endpoint refusing the client or the
+grant (400, 401, 403) is `Unauthorized`, a fault of the rule; one that cannot be reached or answers
+429 or 5xx is a `TargetUnavailable` of the record being sent (retried, counted by the breaker, and,
+as any outage, never parking a record).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncGenerator, Generator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+from authlib.integrations.base_client.errors import OAuthError
+from authlib.oauth2.auth import ClientAuth
+from authlib.oauth2.client import OAuth2Client
+
+from delivery.errors import TargetUnavailable, Unauthorized
+
+#: The longest before its expiry a token is renewed; a token living less renews at a tenth of it.
+MAX_EARLY_SECONDS = 60.0
+GRANTS = ("refresh_token", "client_credentials")
+
+
+class RefreshTokenStore(Protocol):
+    """Where a rotated refresh token is kept between processes (the delivery database)."""
+
+    def load(self) -> str | None: ...
+
+    def save(self, refresh_token: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class OAuth2Settings:
+    """What a connection's `auth: {kind: oauth2, ...}` says, with its secrets read."""
+
+    connection: str
+    token_url: str
+    grant: str
+    client_id: str
+    client_secret: str
+    refresh_token: str | None = None
+    scope: str | None = None
+    #: Where the secrets come from, as messages name them (never a value).
+    source: str = "oauth2"
+
+
+class _FormClientAuth(httpx.Auth, ClientAuth):  # type: ignore[misc]
+    """Authlib's client authentication (the credentials in the form body) as an httpx auth."""
+
+    requires_request_body = True
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        url, headers, body = self.prepare(request.method, str(request.url), request.headers, request.content)
+        content = body.encode() if isinstance(body, str) else body
+        yield httpx.Request(
+            request.method, url, headers={**headers, "Content-Length": str(len(content))}, content=content
+        )
+
+
+class _Client(OAuth2Client):  # type: ignore[misc]
+    client_auth_class = _FormClientAuth
+    oauth_error_class = OAuthError
+
+
+class _Token:
+    def __init__(self, access_token: str, expires_in: Any) -> None:
+        self.access_token = access_token
+        lifetime = float(expires_in) if isinstance(expires_in, (int, float, str)) and _number(expires_in) else None
+        now = time.monotonic()
+        self.renew_at = None if lifetime is None else now + lifetime - min(MAX_EARLY_SECONDS, lifetime / 10)
+
+    def due(self) -> bool:
+        return self.renew_at is not None and time.monotonic() >= self.renew_at
+
+
+def _number(value: Any) -> bool:
+    try:
+        return float(value) > 0
+    except (TypeError, ValueError):
+        return False
+
+
+class TokenSource:
+    """The access token of one connection in this process (see the module's docstring)."""
+
+    def __init__(self, settings: OAuth2Settings, store: RefreshTokenStore | None, timeout: float) -> None:
+        self.settings = settings
+        self.store = store
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._token: _Token | None = None
+        #: Token requests made, all told (for tests and the run's report).
+        self.fetches = 0
+
+    def current(self) -> tuple[str, bool]:
+        """The access token to send, and whether it was fetched by this call."""
+        with self._lock:
+            if self._token is not None and not self._token.due():
+                return self._token.access_token, False
+            return self._fetch(), True
+
+    def renew(self, stale: str) -> str:
+        """A new token after `stale` was answered 401, unless another request renewed it already."""
+        with self._lock:
+            if self._token is not None and self._token.access_token != stale and not self._token.due():
+                return self._token.access_token
+            return self._fetch()
+
+    def secrets(self) -> tuple[str, ...]:
+        """Every secret this source holds or held, for redaction."""
+        with self._lock:
+            held = [self.settings.client_secret, self.settings.refresh_token or ""]
+            if self._token is not None:
+                held.append(self._token.access_token)
+        return tuple(s for s in held if s)
+
+    def _fetch(self) -> str:
+        settings = self.settings
+        with httpx.Client(timeout=self.timeout, trust_env=False) as session:
+            client = _Client(
+                session=session,
+                client_id=settings.client_id,
+                client_secret=settings.client_secret,
+                token_endpoint_auth_method="client_secret_post",
+                scope=settings.scope,
+            )
+            client.register_compliance_hook("access_token_response", self._judge)
+            client.register_compliance_hook("refresh_token_response", self._judge)
+            self.fetches += 1
+            try:
+                if settings.grant == "client_credentials":
+                    token = client.fetch_token(settings.token_url, grant_type="client_credentials")
+                else:
+                    refresh = (self.store.load() if self.store is not None else None) or settings.refresh_token
+                    token = client.refresh_token(settings.token_url, refresh_token=refresh)
+            except OAuthError as exc:
+                raise self._refused(f"{exc.error}") from None
+            except httpx.TimeoutException as exc:
+                raise TargetUnavailable(f"token endpoint: timed out ({type(exc).__name__})") from None
+            except httpx.TransportError as exc:
+                raise TargetUnavailable(f"token endpoint: connection error: {type(exc).__name__}") from None
+            except (ValueError, KeyError) as exc:
+                raise self._refused(f"an answer without a token ({type(exc).__name__})") from None
+        access = token.get("access_token") if isinstance(token, Mapping) else None
+        if not isinstance(access, str) or not access:
+            raise self._refused("an answer without an access_token")
+        rotated = token.get("refresh_token")
+        store = self.store if settings.grant == "refresh_token" else None
+        if store is not None and isinstance(rotated, str) and rotated not in ("", settings.refresh_token, store.load()):
+            store.save(rotated)
+        self._token = _Token(access, token.get("expires_in"))
+        return access
+
+    def _judge(self, response: httpx.Response) -> httpx.Response:
+        """The token endpoint's answer, before Authlib reads it: 429 and 5xx are the target's
+        passing faults; a refusal is read by Authlib (`invalid_grant`, `invalid_client`)."""
+        code = response.status_code
+        if code == 429 or code >= 500:
+            retry_after = response.headers.get("Retry-After")
+            seconds = float(retry_after) if retry_after and retry_after.isdigit() else None
+            raise TargetUnavailable(f"token endpoint: HTTP {code}", seconds, outcome_unknown=False, status_code=code)
+        if code >= 400:
+            try:
+                error = response.json().get("error")
+            except (ValueError, AttributeError):
+                error = None
+            raise self._refused(f"HTTP {code}" + (f" {error}" if isinstance(error, str) else ""))
+        return response
+
+    def _refused(self, why: str) -> Unauthorized:
+        settings = self.settings
+        return Unauthorized(
+            settings.connection, settings.source, f"the token endpoint refused the {settings.grant} grant: {why}"
+        )
+
+
+class OAuth2Bearer(httpx.Auth):
+    """Sends each request with the source's access token; a 401 renews it once and sends again."""
+
+    def __init__(self, source: TokenSource) -> None:
+        self.source = source
+
+    def sync_auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        token, fresh = self.source.current()
+        request.headers["Authorization"] = f"Bearer {token}"
+        response = yield request
+        if response.status_code == 401 and not fresh:
+            response.read()
+            request.headers["Authorization"] = f"Bearer {self.source.renew(token)}"
+            yield request
+
+    async def async_auth_flow(self, request: httpx.Request) -> AsyncGenerator[httpx.Request, httpx.Response]:
+        token, fresh = await asyncio.to_thread(self.source.current)
+        request.headers["Authorization"] = f"Bearer {token}"
+        response = yield request
+        if response.status_code == 401 and not fresh:
+            await response.aread()
+            renewed = await asyncio.to_thread(self.source.renew, token)
+            request.headers["Authorization"] = f"Bearer {renewed}"
+            yield request
+
+
+_SOURCES: dict[tuple[Any, ...], TokenSource] = {}
+_SOURCES_LOCK = threading.Lock()
+
+
+def token_source(settings: OAuth2Settings, store: RefreshTokenStore | None, timeout: float) -> TokenSource:
+    """The process's token source for these settings (a warm worker's chains share it)."""
+    key = (
+        settings.connection,
+        settings.token_url,
+        settings.grant,
+        settings.client_id,
+        settings.client_secret,
+        settings.refresh_token,
+        settings.scope,
+    )
+    with _SOURCES_LOCK:
+        source = _SOURCES.get(key)
+        if source is None:
+            source = _SOURCES[key] = TokenSource(settings, store, timeout)
+        elif store is not None:
+            source.store = store
+        return source
+
+
+def forget_token_sources() -> None:
+    """Drop every cached token (tests, and a process that wants to start afresh)."""
+    with _SOURCES_LOCK:
+        _SOURCES.clear()
