@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncGenerator, Generator, Mapping
+from collections.abc import AsyncGenerator, Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -79,14 +79,20 @@ class _Client(OAuth2Client):  # type: ignore[misc]
 
 
 class _Token:
-    def __init__(self, access_token: str, expires_in: Any) -> None:
+    def __init__(self, access_token: str, expires_in: Any, clock: Callable[[], float]) -> None:
         self.access_token = access_token
+        self.clock = clock
         lifetime = float(expires_in) if isinstance(expires_in, (int, float, str)) and _number(expires_in) else None
-        now = time.monotonic()
-        self.renew_at = None if lifetime is None else now + lifetime - min(MAX_EARLY_SECONDS, lifetime / 10)
+        self.renew_at = None if lifetime is None else clock() + renew_after(lifetime)
 
     def due(self) -> bool:
-        return self.renew_at is not None and time.monotonic() >= self.renew_at
+        return self.renew_at is not None and self.clock() >= self.renew_at
+
+
+def renew_after(lifetime: float) -> float:
+    """How long after it was issued a token living `lifetime` seconds is renewed: a tenth of its
+    lifetime, at most `MAX_EARLY_SECONDS`, before it runs out."""
+    return lifetime - min(MAX_EARLY_SECONDS, lifetime / 10)
 
 
 def _number(value: Any) -> bool:
@@ -99,10 +105,20 @@ def _number(value: Any) -> bool:
 class TokenSource:
     """The access token of one connection in this process (see the module's docstring)."""
 
-    def __init__(self, settings: OAuth2Settings, store: RefreshTokenStore | None, timeout: float) -> None:
+    def __init__(
+        self,
+        settings: OAuth2Settings,
+        store: RefreshTokenStore | None,
+        timeout: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.settings = settings
         self.store = store
         self.timeout = timeout
+        self.clock = clock
+        self.transport = transport
         self._lock = threading.Lock()
         self._token: _Token | None = None
         #: Token requests made, all told (for tests and the run's report).
@@ -132,7 +148,7 @@ class TokenSource:
 
     def _fetch(self) -> str:
         settings = self.settings
-        with httpx.Client(timeout=self.timeout, trust_env=False) as session:
+        with httpx.Client(timeout=self.timeout, trust_env=False, transport=self.transport) as session:
             client = _Client(
                 session=session,
                 client_id=settings.client_id,
@@ -164,7 +180,7 @@ class TokenSource:
         store = self.store if settings.grant == "refresh_token" else None
         if store is not None and isinstance(rotated, str) and rotated not in ("", settings.refresh_token, store.load()):
             store.save(rotated)
-        self._token = _Token(access, token.get("expires_in"))
+        self._token = _Token(access, token.get("expires_in"), self.clock)
         return access
 
     def _judge(self, response: httpx.Response) -> httpx.Response:

@@ -298,3 +298,15 @@ def test_the_blocks_of_docs_targets_are_the_ones_tested() -> None:
         assert shown[name].get("headers") == tested.get("headers"), name
         for key in ("kind", "grant"):
             assert shown[name]["auth"].get(key) == tested["auth"].get(key), name
+
+
+def test_eight_requests_in_flight_meeting_an_expired_token_renew_it_once(engine: sa.Engine) -> None:
+    with VendorServer() as hubspot:
+        _apply(engine, hubspot.url, HUBSPOT, concurrency=8)
+        _load(engine, _contacts(16))
+        assert drive(engine, RULE).counts["delivered"] == 16
+        hubspot.expire_sessions()
+        _load(engine, _contacts(16, firstname="Again"))
+        report = drive(engine, RULE)
+        assert report.counts["delivered"] == 16 and report.counts["failed"] == 0, report
+        assert len(hubspot.state.token_requests) == 2
