@@ -1,9 +1,10 @@
 """Batch endpoints against one record per call: `python -m bench.batch` (see docs/performance.md).
 
-One sandbox target (its own process) at `--latency-ms` (default 50) a request, two connections to it:
-`single` (one record per call) and `batch` (its batch endpoint, `--max-items` a call), a rule each on
-a source of its own, the same records. Each rule's chain creates them all, then updates them all
-(every record changed), driven in this process without Prefect (the engine's job and settle
+One sandbox target (its own process) at `--latency-ms` (default 50) a request, three connections to
+it: `single` (one record per call), `batch` (its batch endpoint, `--max-items` a call) and
+`templated` (the same endpoint and wire format, described by `batch.create` / `batch.update`
+templates), a rule each on a source of its own, the same records. Each rule's chain creates them
+all, then updates them all (every record changed), driven in this process without Prefect (the engine's job and settle
 paths, which are what batching changes; Prefect's share per chain is the same for both). Wall
 time and this process's CPU time, side by side in one run, on SQLite and on PostgreSQL.
 """
@@ -31,6 +32,9 @@ from delivery.config import parse_config
 from delivery.domain import ChainEnd, MirrorInput, Phase
 from delivery.phase import run_phase
 from delivery.store.mirror import load_records
+
+#: One record per call, the built-in batch wire format, and that same format described by templates.
+MODES = ("single", "batch", "templated")
 
 
 def drive(engine: sa.Engine, rule: str) -> dict[str, Any]:
@@ -63,16 +67,37 @@ def run_database(
         **target_connection("batch", sandbox),
         "batch": {"create_path": "contacts/batch", "update_path": "contacts/batch", "max_items": max_items},
     }
+    # The same wire format, described by templates (`batch.create` / `batch.update`): what the
+    # templated path costs beside the built-in one, on the very same requests.
+    templated_target = {
+        **target_connection("templated", sandbox),
+        "batch": {
+            "max_items": max_items,
+            "create": {
+                "path": "{{ collection }}/batch",
+                "body": {"items": "{{ items }}"},
+                "item": {"idempotency_key": "{{ idempotency_key }}", "record": "{{ fields }}"},
+                "results_at": "results",
+                "id_at": "id",
+            },
+            "update": {
+                "path": "{{ collection }}/batch",
+                "body": {"items": "{{ items }}"},
+                "item": {"id": "{{ remote_id }}", "record": "{{ fields }}"},
+                "results_at": "results",
+            },
+        },
+    }
     rules = [
         rule_entry(name, f"{name}-source", "contacts", batch=500, concurrency=concurrency, target=name)
-        for name in ("single", "batch")
+        for name in MODES
     ]
     config = {
         "connections": [
             target_connection("single", sandbox),
             batch_target,
-            {"name": "single-source"},
-            {"name": "batch-source"},
+            templated_target,
+            *({"name": f"{name}-source"} for name in MODES),
         ],
         "rules": rules,
     }
@@ -80,13 +105,15 @@ def run_database(
         apply_config(conn, parse_config(yaml.safe_dump(config), "bench config"))
     rows: list[dict[str, Any]] = []
     for verb in ("create", "update"):
-        for name in ("single", "batch"):
+        for name in MODES:
             with engine.begin() as conn:
                 items = [MirrorInput(ext, {**body, "rev": verb}) for ext, body in records(f"{label}-{name}", n)]
                 load_records(conn, f"{name}-source", "contact", items)
             rows.append({"database": label, "verb": verb, "mode": name, "records": n, **measure(engine, name, n)})
-        single, batch = rows[-2], rows[-1]
+        single, batch, templated = rows[-3], rows[-2], rows[-1]
         batch["batch_vs_single"] = round(batch["records_per_second"] / single["records_per_second"], 1)
+        templated["batch_vs_single"] = round(templated["records_per_second"] / single["records_per_second"], 1)
+        templated["templated_vs_batch"] = round(templated["records_per_second"] / batch["records_per_second"], 2)
     db.dispose_engines()
     return rows
 
@@ -116,12 +143,16 @@ def main(argv: list[str] | None = None) -> int:
                     pg.drop_database(name)
         finally:
             sandbox.stop()
-    print(f"{'database':<11} {'verb':<7} {'mode':<7} {'records':>7} {'seconds':>8} {'rec/s':>8} {'cpu s':>6} {'x':>5}")
+    print(
+        f"{'database':<11} {'verb':<7} {'mode':<9} {'records':>7} {'seconds':>8} {'rec/s':>8} {'cpu s':>6} "
+        f"{'x':>5} {'vs batch':>8}"
+    )
     for r in rows:
         ratio = f"{r['batch_vs_single']:.1f}" if "batch_vs_single" in r else ""
+        versus = f"{r['templated_vs_batch']:.2f}" if "templated_vs_batch" in r else ""
         print(
-            f"{r['database']:<11} {r['verb']:<7} {r['mode']:<7} {r['records']:>7} {r['seconds']:>8.2f} "
-            f"{r['records_per_second']:>8.1f} {r['cpu_seconds']:>6.2f} {ratio:>5}"
+            f"{r['database']:<11} {r['verb']:<7} {r['mode']:<9} {r['records']:>7} {r['seconds']:>8.2f} "
+            f"{r['records_per_second']:>8.1f} {r['cpu_seconds']:>6.2f} {ratio:>5} {versus:>8}"
         )
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")

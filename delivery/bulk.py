@@ -129,10 +129,10 @@ class BulkJob(GroupedJob):
                 key = decisions.idempotency_key(
                     rule.name, self.candidates[i].record.external_id, generation, rule.key_epoch
                 )
-                items.append(CreateItem(plan.body, key))
+                items.append(CreateItem(plan.body, key, self.candidates[i].record))
             else:
                 assert row is not None and row.remote_id is not None  # an update has a row holding the remote id
-                items.append(UpdateItem(row.remote_id, plan.body))
+                items.append(UpdateItem(row.remote_id, plan.body, self.candidates[i].record))
         writer = self.writer
         # Only records whose verb the writer offers in batches reach here (see `_unit`).
         call: Callable[[Any], list[Any]] | None = None

@@ -4,6 +4,7 @@ has no writer, or whose policy needs a verb the writer's type lacks, is refused.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Iterable
@@ -20,6 +21,7 @@ from delivery.domain import (
     DEFAULT_MAX_PAUSE_SECONDS,
     AuthSettings,
     BatchEndpoints,
+    BatchShape,
     BreakerSettings,
     ConnectionSpec,
     ConnectionStatus,
@@ -91,16 +93,48 @@ class RateLimitConfig(_Strict):
 BatchPath = Annotated[str, Field(min_length=1, max_length=500, pattern=r"^[A-Za-z0-9_\-.~][A-Za-z0-9_\-.~/]*$")]
 
 
+class BatchRequestConfig(_Strict):
+    """One verb's batch call, as the target documents it (see `delivery.domain.BatchShape`)."""
+
+    method: str | None = None
+    path: str = Field(min_length=1, max_length=2000)
+    body: Any = Field(default_factory=lambda: {"items": "{{ items }}"})
+    item: Any = "{{ fields }}"
+    results_at: str = Field(default="results", min_length=1, max_length=200, pattern=r"^[^.\s]+(\.[^.\s]+)*$")
+    match: str | None = Field(default=None, min_length=1, max_length=200)
+    id_at: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[^.\s]+(\.[^.\s]+)*$")
+
+    def shape(self, verb: str) -> BatchShape:
+        method = self.method or METHODS[verb][0]
+        return BatchShape(method, self.path, self.body, self.item, self.results_at, self.match, self.id_at)
+
+
 class BatchConfig(_Strict):
     create_path: BatchPath | None = None
     update_path: BatchPath | None = None
     max_items: int = Field(default=100, ge=1, le=10_000)
+    create: BatchRequestConfig | None = None
+    update: BatchRequestConfig | None = None
 
     @model_validator(mode="after")
     def _some_path(self) -> BatchConfig:
-        if self.create_path is None and self.update_path is None:
-            raise ValueError("give create_path, update_path or both")
+        if all(v is None for v in (self.create_path, self.update_path, self.create, self.update)):
+            raise ValueError("give create_path, update_path, create or update")
+        for verb in ("create", "update"):
+            if getattr(self, f"{verb}_path") is not None and getattr(self, verb) is not None:
+                raise ValueError(f"{verb}_path and {verb}: describe the batch {verb} once")
         return self
+
+    def endpoints(self) -> BatchEndpoints:
+        create = None if self.create is None else self.create.shape("create")
+        update = None if self.update is None else self.update.shape("update")
+        return BatchEndpoints(
+            create.path if create else self.create_path,
+            update.path if update else self.update_path,
+            self.max_items,
+            create,
+            update,
+        )
 
 
 EnvName = Annotated[str, Field(max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -259,9 +293,7 @@ class ConnectionConfig(_Strict):
             if self.rate_limit is None
             else RateLimit(self.rate_limit.per_second, self.rate_limit.per_day),
             max_pause_seconds=self.max_pause_seconds,
-            batch=None
-            if self.batch is None
-            else BatchEndpoints(self.batch.create_path, self.batch.update_path, self.batch.max_items),
+            batch=None if self.batch is None else self.batch.endpoints(),
             headers=tuple(sorted((self.headers or {}).items())),
             requests=self._request_shapes(),
             auth=None if self.auth is None else self.auth.settings(),
@@ -583,6 +615,21 @@ def _request_problems(config: DeliveryConfig) -> list[str]:
             problems.extend(templates.problems(request.body, f"{where}.body", allowed))
             if verb != "create" and request.id_at is not None:
                 problems.append(f"{where}.id_at: only a create's answer gives the record's id")
+    for index, connection in enumerate(config.connections):
+        for verb in ("create", "update"):
+            batch: BatchRequestConfig | None = getattr(connection.batch, verb, None)
+            if batch is None:
+                continue
+            where = f"connections[{index}].batch.{verb}"
+            if batch.method is not None and batch.method not in METHODS[verb]:
+                problems.append(f"{where}.method: {batch.method!r} is not one of {' | '.join(METHODS[verb])}")
+            problems.extend(templates.problems(batch.path, f"{where}.path", frozenset({"collection"}), path=True))
+            problems.extend(templates.problems(batch.body, f"{where}.body", templates.BATCH_BODY_PLACEHOLDERS))
+            problems.extend(templates.problems(batch.item, f"{where}.item", templates.VERB_PLACEHOLDERS[verb]))
+            if "{{ items }}" not in json.dumps(batch.body):
+                problems.append(f"{where}.body: holds no {{{{ items }}}}: the call would carry none of its records")
+            if verb != "create" and batch.id_at is not None:
+                problems.append(f"{where}.id_at: only a create's results give the records' ids")
     return problems
 
 

@@ -136,13 +136,33 @@ class RateLimit:
 
 
 @dataclass(frozen=True)
+class BatchShape:
+    """A batch call as a connection describes it (`batch.create`, `batch.update`): the method, the
+    path and body templates (the body holds `{{ items }}`), each item's template, where the answer
+    keeps its results (`results_at`), which key of a result names its item (`match`: a result
+    carries the value its item had there; None: results in item order), and for a create where a
+    result keeps the new id (`id_at`; None: the connection's `id_field`)."""
+
+    method: str
+    path: str
+    body: Any = field(default=None, hash=False)
+    item: Any = field(default="{{ fields }}", hash=False)
+    results_at: str = "results"
+    match: str | None = None
+    id_at: str | None = None
+
+
+@dataclass(frozen=True)
 class BatchEndpoints:
     """A target's batch endpoints (paths under its base URL) and how many records one call may
-    carry. A path left None: that verb is sent one record per call."""
+    carry. A path left None: that verb is sent one record per call. A shape (`create_shape`,
+    `update_shape`): that verb's call is described by templates, its path the shape's."""
 
     create_path: str | None = None
     update_path: str | None = None
     max_items: int = 100
+    create_shape: BatchShape | None = None
+    update_shape: BatchShape | None = None
 
 
 @dataclass(frozen=True)

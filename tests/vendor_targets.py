@@ -59,6 +59,7 @@ class Vendors:
     zendesk: dict[str, dict[str, Any]] = field(default_factory=dict)
     next_id: int = 1001
     revoked: bool = False
+    batch_calls: list[tuple[str, int]] = field(default_factory=list)
 
     def new_id(self) -> str:
         self.next_id += 1
@@ -203,6 +204,8 @@ class _Handler(BaseHTTPRequestHandler):
         parts = path.split("/")  # ['', 'crm', 'v3', 'objects', 'contacts', id?]
         if len(parts) < 5 or parts[4] != "contacts":
             return 404, {"status": "error", "message": "unknown object"}
+        if len(parts) == 7 and parts[5] == "batch" and self.command == "POST":
+            return self._hubspot_batch(parts[6], body)
         properties = body.get("properties") if isinstance(body, dict) else None
         if not isinstance(properties, dict) or not all(isinstance(x, str) for x in properties.values()):
             return 400, {"status": "error", "category": "VALIDATION_ERROR", "message": "properties: strings"}
@@ -224,6 +227,41 @@ class _Handler(BaseHTTPRequestHandler):
                 found["properties"].update(properties)
                 return 200, found
         return 405, {"status": "error", "message": "method not allowed"}
+
+    def _hubspot_batch(self, action: str, body: Any) -> tuple[int, Any]:
+        """`batch/create` and `batch/update`: `{"inputs": [...]}` (at most 100), answered with the
+        results in no promised order (shuffled here), each echoing what names its input."""
+        import random
+
+        inputs = body.get("inputs") if isinstance(body, dict) else None
+        if not isinstance(inputs, list) or not 1 <= len(inputs) <= 100:
+            return 400, {"status": "error", "category": "VALIDATION_ERROR", "message": "inputs: 1 to 100"}
+        for one in inputs:
+            properties = one.get("properties") if isinstance(one, dict) else None
+            if not isinstance(properties, dict) or not all(isinstance(x, str) for x in properties.values()):
+                return 400, {"status": "error", "category": "VALIDATION_ERROR", "message": "properties: strings"}
+        v = self.vendors
+        results = []
+        with v.lock:
+            v.batch_calls.append((action, len(inputs)))
+            for one in inputs:
+                if action == "create":
+                    if not isinstance(one.get("associations"), list):
+                        return 400, {"status": "error", "category": "VALIDATION_ERROR", "message": "associations"}
+                    new = v.new_id()
+                    v.hubspot[new] = {"id": new, "properties": dict(one["properties"]), "archived": False}
+                    results.append({**v.hubspot[new], "objectWriteTraceId": one.get("objectWriteTraceId")})
+                elif action == "update":
+                    found = v.hubspot.get(str(one.get("id")))
+                    if found is None:
+                        continue  # HubSpot leaves it out of the results (an error in a 207)
+                    found["properties"].update(one["properties"])
+                    results.append(dict(found))
+                else:
+                    return 404, {"status": "error", "message": "unknown batch action"}
+        random.shuffle(results)
+        answer = {"status": "COMPLETE", "results": results, "startedAt": "x", "completedAt": "y"}
+        return (201 if action == "create" else 200), answer
 
     def _salesforce(self, path: str, body: Any, headers: dict[str, str]) -> tuple[int, Any]:
         if not self._bearer_ok(headers):

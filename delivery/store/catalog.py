@@ -3,6 +3,7 @@ Whether a declaration may be saved is the caller's question (`delivery.apply`), 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -14,6 +15,7 @@ from delivery.clock import utcnow
 from delivery.domain import (
     AuthSettings,
     BatchEndpoints,
+    BatchShape,
     BreakerSettings,
     Connection,
     ConnectionSpec,
@@ -60,16 +62,27 @@ def connection_from_row(row: Any) -> Connection:
         max_pause_seconds=row.max_pause_seconds,
         batch=None
         if row.batch_create_path is None and row.batch_update_path is None
-        else BatchEndpoints(row.batch_create_path, row.batch_update_path, row.batch_max_items or 100),
+        else BatchEndpoints(
+            row.batch_create_path,
+            row.batch_update_path,
+            row.batch_max_items or 100,
+            _batch_shape((row.requests or {}).get("batch_create")),
+            _batch_shape((row.requests or {}).get("batch_update")),
+        ),
         headers=tuple(sorted((row.headers or {}).items())),
         requests=tuple(
             (verb, RequestShape(shape["method"], shape["path"], shape.get("body", "{{ fields }}"), shape.get("id_at")))
             for verb, shape in sorted((row.requests or {}).items())
+            if verb in ("create", "update")
         ),
         auth=None
         if not row.auth
         else AuthSettings(row.auth["kind"], tuple(sorted((row.auth.get("keys") or {}).items()))),
     )
+
+
+def _batch_shape(stored: dict[str, Any] | None) -> BatchShape | None:
+    return None if not stored else BatchShape(**stored)
 
 
 def _connections_by_id(conn: sa.Connection, ids: set[int]) -> dict[int, Connection]:
@@ -336,8 +349,18 @@ def save_config(
             "batch_max_items": c.batch.max_items if c.batch else None,
             "headers": dict(c.headers) or None,
             "requests": {
-                verb: {"method": shape.method, "path": shape.path, "body": shape.body, "id_at": shape.id_at}
-                for verb, shape in c.requests
+                **{
+                    verb: {"method": shape.method, "path": shape.path, "body": shape.body, "id_at": shape.id_at}
+                    for verb, shape in c.requests
+                },
+                **{
+                    f"batch_{verb}": dataclasses.asdict(shape)
+                    for verb, shape in (
+                        ("create", c.batch.create_shape if c.batch else None),
+                        ("update", c.batch.update_shape if c.batch else None),
+                    )
+                    if shape is not None
+                },
             }
             or None,
             "auth": None if c.auth is None else {"kind": c.auth.kind, "keys": dict(c.auth.keys)},

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeAlias
 
-from delivery.domain import BatchEndpoints, Connection, Verb
+from delivery.domain import BatchEndpoints, Connection, MirrorRecord, Verb
 from delivery.errors import RecordFault, RecordRejected
 from delivery.settings import secret
 
@@ -144,6 +144,8 @@ class CreateItem:
 
     body: Mapping[str, Any]
     idempotency_key: str
+    #: The mirrored record, for a call whose items are described by templates.
+    record: MirrorRecord | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ class UpdateItem:
 
     remote_id: str
     body: Mapping[str, Any]
+    record: MirrorRecord | None = None
 
 
 #: One create item's result: the target's id for the record, or the fault that item met.

@@ -51,7 +51,7 @@ from urllib.parse import quote
 import httpx
 
 from delivery.clock import utcnow
-from delivery.domain import BatchEndpoints, Connection, Forbidden, MirrorRecord, RequestShape
+from delivery.domain import BatchEndpoints, BatchShape, Connection, Forbidden, MirrorRecord, RequestShape
 from delivery.errors import (
     AnswerSaysNothing,
     RecordRejected,
@@ -432,14 +432,119 @@ class _RestWriter(Writer):
     # -- batch verbs -----------------------------------------------------------------------------
 
     def _create_many(self, items: Sequence[CreateItem]) -> list[CreateResult]:
+        shape = self.target.batch.create_shape if self.target.batch else None
+        if shape is not None:
+            values = [self._item_values(item.body, item.record, idempotency_key=item.idempotency_key) for item in items]
+            return cast("list[CreateResult]", self._shaped_many(shape, values, creating=True))
         path = self._batch_path("create_path")
         entries = [{"idempotency_key": item.idempotency_key, "record": dict(item.body)} for item in items]
         return cast("list[CreateResult]", self._many("POST", path, entries, creating=True))
 
     def _update_many(self, items: Sequence[UpdateItem]) -> list[UpdateResult]:
+        shape = self.target.batch.update_shape if self.target.batch else None
+        if shape is not None:
+            values = [self._item_values(item.body, item.record, remote_id=item.remote_id) for item in items]
+            return cast("list[UpdateResult]", self._shaped_many(shape, values, creating=False))
         path = self._batch_path("update_path")
         entries = [{"id": item.remote_id, "record": dict(item.body)} for item in items]
         return cast("list[UpdateResult]", self._many("PATCH", path, entries, creating=False))
+
+    def _item_values(self, body: Mapping[str, Any], record: MirrorRecord | None, **values: Any) -> dict[str, Any]:
+        return {
+            "fields": dict(body),
+            "record": dict(record.payload) if record is not None else {},
+            "external_id": record.external_id if record is not None else None,
+            "collection": self.collection,
+            **values,
+        }
+
+    def _shaped_many(self, shape: BatchShape, values: list[dict[str, Any]], *, creating: bool) -> list[ItemResult]:
+        """One batch call described by `shape` (`batch.create`, `batch.update`): each item rendered
+        from its template (one lacking a value is that record's refusal, left out), the body from
+        its template with the items in it, and the results read where the shape says, matched to
+        their items by `match` (or in order). An item no result speaks for, in a 2xx answer, is
+        judged as a result list that does not fit: a create `Unaddressable` (it may exist, and
+        nothing says which id is its), an update `AnswerSaysNothing` (in doubt, sent again)."""
+        count = len(values)
+        results: list[ItemResult] = [None] * count
+        rendered: list[tuple[int, Any]] = []
+        for index, context in enumerate(values):
+            try:
+                item = Template(shape.item).render(context)
+                encode_body({"item": item})
+            except MissingValue as missing:
+                results[index] = RecordRejected(
+                    self._clean(f"{shape.method} {shape.path}: {missing}; nothing was sent")
+                )
+                continue
+            except (TypeError, ValueError) as exc:
+                what = (
+                    f"{shape.method} {shape.path} (item {index + 1} of {count}): body cannot be encoded as JSON: {exc}"
+                )
+                results[index] = UnsendablePayload(self._clean(what))
+                continue
+            rendered.append((index, item))
+        if not rendered:
+            return results
+        common = {"collection": self.collection, "items": [item for _, item in rendered]}
+        method, path = shape.method, Template(shape.path, path=True).render(common)
+        answer = self._send(method, path, Template(shape.body).render(common), {})
+        found = self._shaped_results(method, path, answer, shape)
+        for position, (index, item) in enumerate(rendered):
+            where = f"{method} {path} (item {index + 1} of {count})"
+            if isinstance(found, str):
+                result: Any = None
+                why = found
+            elif shape.match is None:
+                result = found[position] if len(found) == len(rendered) else None
+                why = f"answer has {len(found)} results for {len(rendered)} items"
+            else:
+                key = item.get(shape.match) if isinstance(item, Mapping) else None
+                matches = [
+                    r
+                    for r in found
+                    if isinstance(r, Mapping) and key is not None and str(r.get(shape.match)) == str(key)
+                ]
+                result = matches[0] if len(matches) == 1 else None
+                why = f"no result has {shape.match} = {key!r}"
+            status = result.get("status") if isinstance(result, Mapping) else None
+            if result is None:
+                what = self._clean(f"{where}: HTTP {answer.status_code} {why}: {self._excerpt(answer)}")
+                results[index] = Unaddressable(what) if creating else AnswerSaysNothing(what)
+            elif isinstance(status, int) and not isinstance(status, bool) and not 200 <= status < 300:
+                # A result carrying its item's own HTTP status, judged as the one-record verb would.
+                results[index] = self._item(where, answer, result, creating=creating)
+            elif creating:
+                remote_id = at_path(result, shape.id_at or self.target.id_field)
+                if (unusable := self._unusable(remote_id)) is not None:
+                    results[index] = Unaddressable(self._clean(f"{where}: result has {unusable}"))
+                else:
+                    results[index] = str(remote_id)
+            else:
+                results[index] = None
+        return results
+
+    def _shaped_results(self, method: str, path: str, answer: _Answer, shape: BatchShape) -> list[Any] | str:
+        """The results of a described batch call, or why a 2xx answer has none usable. Raises for
+        the whole call as the built-in wire format does (429/5xx, a refused token, another
+        refusal: `BatchRefused`, which splits the call)."""
+        code = answer.status_code
+        if not answer.is_success:
+            refusal = self._refuse(method, path, answer, gone_on_404=False)
+            if not isinstance(refusal, RecordRejected):
+                raise refusal
+            excerpt = self._excerpt(answer)
+            raise BatchRefused(f"{method} {path}: HTTP {code}: {excerpt}", code, excerpt)
+        if answer.undecodable is not None:
+            return f"answer body cannot be decoded: {answer.undecodable}"
+        try:
+            decoded = answer.response.json()
+        except ValueError:
+            return "answer is not JSON"
+        found = at_path(decoded, shape.results_at)
+        if not isinstance(found, list):
+            return f"answer has no {shape.results_at!r} list"
+        return found
 
     def _batch_path(self, name: str) -> str:
         path = getattr(self.target.batch, name, None)

@@ -50,6 +50,32 @@ HUBSPOT = {
         "scope": "crm.objects.contacts.write",
     },
 }
+HUBSPOT_BATCH = {
+    **HUBSPOT,
+    "batch": {
+        "max_items": 100,
+        "create": {
+            "path": "crm/v3/objects/{{ collection }}/batch/create",
+            "body": {"inputs": "{{ items }}"},
+            "item": {
+                "properties": "{{ fields }}",
+                "associations": [],
+                "objectWriteTraceId": "{{ idempotency_key }}",
+            },
+            "results_at": "results",
+            "match": "objectWriteTraceId",
+            "id_at": "id",
+        },
+        "update": {
+            "method": "POST",
+            "path": "crm/v3/objects/{{ collection }}/batch/update",
+            "body": {"inputs": "{{ items }}"},
+            "item": {"id": "{{ remote_id }}", "properties": "{{ fields }}"},
+            "results_at": "results",
+            "match": "id",
+        },
+    },
+}
 SALESFORCE = {
     "requests": {
         "create": {
@@ -289,12 +315,13 @@ def test_the_blocks_of_docs_targets_are_the_ones_tested() -> None:
         parse_config(yaml.safe_dump(config))
         shown[block["connections"][0]["name"]] = block["connections"][0]
     for name, tested in (
-        ("hubspot", HUBSPOT),
+        ("hubspot", HUBSPOT_BATCH),
         ("salesforce", SALESFORCE),
         ("intercom", INTERCOM),
         ("zendesk", ZENDESK),
     ):
         assert shown[name]["requests"] == tested["requests"], name
+        assert shown[name].get("batch") == tested.get("batch"), name
         assert shown[name].get("headers") == tested.get("headers"), name
         for key in ("kind", "grant"):
             assert shown[name]["auth"].get(key) == tested["auth"].get(key), name
@@ -310,3 +337,35 @@ def test_eight_requests_in_flight_meeting_an_expired_token_renew_it_once(engine:
         report = drive(engine, RULE)
         assert report.counts["delivered"] == 16 and report.counts["failed"] == 0, report
         assert len(hubspot.state.token_requests) == 2
+
+
+def test_hubspot_batch_create_and_update_with_results_in_shuffled_order(engine: sa.Engine) -> None:
+    with VendorServer() as hubspot:
+        _apply(engine, hubspot.url, HUBSPOT_BATCH, batch_size=40)
+        _load(engine, _contacts(30))
+        assert drive(engine, RULE).counts["delivered"] == 30
+        assert [call for call in hubspot.state.batch_calls] == [("create", 30)]
+        ledger = _ledger(engine)
+        held = hubspot.state.hubspot
+        # Each record got the id of its own contact, whatever order the results came in.
+        assert {k: held[row["remote_id"]]["properties"]["email"] for k, row in ledger.items()} == {
+            f"c-{i}": f"c{i}@example.com" for i in range(30)
+        }
+        _load(engine, _contacts(30, firstname="Batch"))
+        assert drive(engine, RULE).counts["delivered"] == 30
+        assert hubspot.state.batch_calls[-1] == ("update", 30)
+        assert {c["properties"]["firstname"] for c in held.values()} == {"Batch"}
+
+
+def test_a_batch_update_item_no_result_speaks_for_is_in_doubt_and_sent_again(engine: sa.Engine) -> None:
+    with VendorServer() as hubspot:
+        _apply(engine, hubspot.url, HUBSPOT_BATCH)
+        _load(engine, _contacts(3))
+        assert drive(engine, RULE).counts["delivered"] == 3
+        gone = _ledger(engine)["c-1"]["remote_id"]
+        del hubspot.state.hubspot[gone]  # HubSpot leaves it out of the results
+        _load(engine, _contacts(3, firstname="New"))
+        report = drive(engine, RULE)
+        assert report.counts["delivered"] == 2 and report.counts["failed"] == 1, report
+        row = _ledger(engine)["c-1"]
+        assert row["status"] == "failed" and row["in_doubt"] and "no result has id" in row["last_error"]

@@ -164,3 +164,55 @@ def test_a_header_that_cannot_be_sent_is_refused() -> None:
 
 def test_nulls_is_send_or_skip() -> None:
     assert _problems({}, {"nulls": "drop"})[0].startswith("rules[0].nulls: Input should be 'send' or 'skip'")
+
+
+@pytest.mark.parametrize(
+    ("batch", "problem"),
+    [
+        (
+            {"create": {"path": "x/batch", "body": {"inputs": []}}},
+            "connections[1].batch.create.body: holds no {{ items }}",
+        ),
+        (
+            {"create": {"path": "x/batch", "item": {"id": "{{ remote_id }}"}}},
+            "connections[1].batch.create.item.id: {{ remote_id }} is not known here",
+        ),
+        (
+            {"update": {"path": "x/batch", "body": {"inputs": "{{ items }}", "x": "{{ fields }}"}}},
+            "connections[1].batch.update.body.x: {{ fields }} is not known here",
+        ),
+        (
+            {"update": {"path": "x/batch", "id_at": "id"}},
+            "connections[1].batch.update.id_at: only a create's results give the records' ids",
+        ),
+        (
+            {"create": {"path": "x/{{ external_id }}"}},
+            "connections[1].batch.create.path: {{ external_id }} is not known here",
+        ),
+        (
+            {"create": {"path": "x", "method": "GET"}},
+            "connections[1].batch.create.method: 'GET' is not one of POST | PUT | PATCH",
+        ),
+        (
+            {"create_path": "x", "create": {"path": "y"}},
+            "connections[1].batch: create_path and create: describe the batch create once",
+        ),
+    ],
+)
+def test_a_batch_shape_is_refused_naming_its_key_path(batch: dict[str, Any], problem: str) -> None:
+    problems = _problems({"batch": batch})
+    assert len(problems) == 1 and problems[0].startswith(problem), problems
+
+
+def test_a_batch_shape_is_read_with_its_defaults() -> None:
+    config = parse_config(_config({"batch": {"update": {"path": "crm/{{ collection }}/batch/update"}}}))
+    batch = config.connections[1].spec().batch
+    assert batch is not None and batch.update_path == "crm/{{ collection }}/batch/update"
+    shape = batch.update_shape
+    assert shape is not None and (shape.method, shape.body, shape.item, shape.results_at, shape.match) == (
+        "PATCH",
+        {"items": "{{ items }}"},
+        "{{ fields }}",
+        "results",
+        None,
+    )
