@@ -106,7 +106,17 @@ class Demo:
         os.environ[db.DATABASE_URL_ENV] = url
         os.environ["DEMO_CRM_TOKEN"] = TOKEN
         self.engine = db.shared_engine(url)
-        with SandboxServer(SandboxSettings(port=0, token=TOKEN, seed=42)) as sandbox:
+        os.environ["DEMO_OAUTH_CLIENT_ID"] = OAUTH_CLIENT_ID
+        os.environ["DEMO_OAUTH_CLIENT_SECRET"] = OAUTH_CLIENT_SECRET
+        settings = SandboxSettings(
+            port=0,
+            token=TOKEN,
+            seed=42,
+            oauth2_client_id=OAUTH_CLIENT_ID,
+            oauth2_client_secret=OAUTH_CLIENT_SECRET,
+            token_lifetime_seconds=OAUTH_TOKEN_SECONDS,
+        )
+        with SandboxServer(settings) as sandbox:
             self.sandbox = sandbox
             self._step("1. configuration", self._configure)
             self._step("2. first delivery", self._first_delivery)
@@ -114,6 +124,7 @@ class Demo:
             self._step("4. faults: failed, parked and a breaker opening", self._faults)
             self._step("5. recovery: due retries drained first", self._recovery)
             self._step("6. traffic control: a target with a rate budget", self._rate_limited)
+            self._step("7. a target that wants OAuth2 tokens that expire", self._oauth2)
         counts = self._summary(time.monotonic() - started)
         return counts
 
@@ -140,10 +151,10 @@ class Demo:
             f"mirror load {path.name}: {report.inserted} new, {report.changed} changed, {report.unchanged} unchanged"
         )
 
-    def _chain(self, label: str) -> dict[str, Any]:
-        """Run one chain through the flow, with a progress bar fed by the ledger as it fills."""
+    def _chain(self, label: str, name: str = RULE) -> dict[str, Any]:
+        """Run one chain of rule `name` through the flow, with a progress bar fed by the ledger as it fills."""
         with self.engine.connect() as conn:
-            rule = catalog.get_rule(conn, RULE)
+            rule = catalog.get_rule(conn, name)
         since = utcnow()
         done = threading.Event()
         with Progress(
@@ -164,7 +175,7 @@ class Demo:
             watcher = threading.Thread(target=watch, daemon=True)
             watcher.start()
             try:
-                result = self.run_now(RULE)
+                result = self.run_now(name)
             finally:
                 done.set()
                 watcher.join()
@@ -269,6 +280,59 @@ class Demo:
             f"for the budget (see `delivery connection-status crm`)"
         )
 
+    def _oauth2(self) -> None:
+        """A second target connection to the sandbox that authenticates with OAuth2 (client
+        credentials), its tokens living `OAUTH_TOKEN_SECONDS`: a rule delivers every contact to it
+        through a chain that outlasts several tokens, each renewed before it expires."""
+        config = {
+            "connections": [
+                {
+                    "name": "crm-oauth",
+                    "driver": "rest",
+                    "base_url": self.sandbox.url,
+                    "timeout_seconds": 5,
+                    "auth": {
+                        "kind": "oauth2",
+                        "token_url": self.sandbox.url.removesuffix("/api") + "/oauth/token",
+                        "grant": "client_credentials",
+                        "client_id_env": "DEMO_OAUTH_CLIENT_ID",
+                        "client_secret_env": "DEMO_OAUTH_CLIENT_SECRET",
+                    },
+                },
+                {"name": "shop"},
+            ],
+            "rules": [
+                {
+                    "name": OAUTH_RULE,
+                    "source": "shop",
+                    "domain": "contact",
+                    "target": "crm-oauth",
+                    "collection": "contacts-oauth",
+                    "batch_size": 200,
+                    "concurrency": 4,
+                    "fields": {"email": "email", "name": "full_name"},
+                    "max_attempts": 2,
+                    "retry_schedule_seconds": [1, 2],
+                }
+            ],
+        }
+        with self.engine.begin() as conn:
+            apply_config(conn, parse_config(yaml.safe_dump(config)))
+        self.console.print(
+            f"crm-oauth: the same sandbox, auth {{kind: oauth2, grant: client_credentials}}; "
+            f"each access token lives {OAUTH_TOKEN_SECONDS} s"
+        )
+        before = self._api("GET", "_stats")["token_requests"]
+        started = time.monotonic()
+        result = self._chain("deliver-rule", OAUTH_RULE)
+        seconds = time.monotonic() - started
+        tokens = self._api("GET", "_stats")["token_requests"] - before
+        counts = result["counts"]
+        self.console.print(
+            f"{counts.get('delivered', 0)} contacts delivered in {seconds:.1f} s with {tokens} access tokens, "
+            f"{counts.get('failed', 0)} failed: each token was renewed before it expired"
+        )
+
     # -- helpers --------------------------------------------------------------------------------
 
     def _api(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -313,6 +377,12 @@ class Demo:
         return counts
 
 
+#: Step 7: an OAuth2 client the sandbox takes, and how long its tokens live: the step's chain
+#: (every contact, a second time, to another collection) outlasts a few of them.
+OAUTH_CLIENT_ID = "demo-client"
+OAUTH_CLIENT_SECRET = "demo-client-secret"
+OAUTH_TOKEN_SECONDS = 1
+OAUTH_RULE = "contacts-to-crm-oauth"
 #: Step 6: the sandbox's budget, and how many contacts change under it (a couple of seconds' worth).
 RATE_PER_SECOND = 40
 RATE_CHANGES = 80

@@ -16,11 +16,14 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import secrets
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from http import HTTPStatus
 from typing import Any
+from urllib.parse import parse_qs
 
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, SimpleUser
@@ -73,19 +76,25 @@ class _Refused(Exception):
 
 
 class _BearerToken(AuthenticationBackend):
-    """Everything under `/api` needs the token (unknown paths too); `/healthz` never does."""
+    """Everything under `/api` needs the token, or an access token `/oauth/token` issued that has
+    not expired (unknown paths too); `/healthz` and `/oauth/token` never do."""
 
-    def __init__(self, token: str) -> None:
-        self._token = token.encode("utf-8")
+    def __init__(self, token: str | None) -> None:
+        self._token = token.encode("utf-8") if token is not None else None
         self.refused = 0
+        #: Access tokens issued, and when each expires (monotonic seconds).
+        self.issued: dict[str, float] = {}
 
     async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, SimpleUser] | None:
         if str(conn.scope["path"]).split("/")[1:2] != ["api"]:
             return None
         scheme, _, credentials = conn.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(credentials.strip().encode("utf-8"), self._token):
+        given = credentials.strip()
+        static = self._token is not None and hmac.compare_digest(given.encode("utf-8"), self._token)
+        issued = self.issued.get(given, 0.0) > time.monotonic()
+        if scheme.lower() != "bearer" or not (static or issued):
             self.refused += 1
-            raise AuthenticationError("missing or wrong bearer token")
+            raise AuthenticationError("missing, wrong or expired bearer token")
         return AuthCredentials(["api"]), SimpleUser("sandbox")
 
 
@@ -99,7 +108,9 @@ class SandboxApp:
         self._faults = FaultInjector(settings.faults(), settings.seed)
         self._store = SandboxStore(settings.db_path)
         self._stats: dict[str, Counter[str]] = {}
-        self._auth = _BearerToken(settings.token) if settings.token is not None else None
+        oauth2 = settings.oauth2_client_id is not None
+        self._auth = _BearerToken(settings.token) if settings.token is not None or oauth2 else None
+        self.token_requests = 0
         middleware = [] if self._auth is None else [Middleware(AuthenticationMiddleware, self._auth, _unauthorized)]
         self._asgi = Starlette(
             routes=self._routes(),
@@ -139,6 +150,7 @@ class SandboxApp:
             *_both("/healthz", self._healthz, ["GET"]),
             *_both("/api/_stats", self._stats_endpoint, ["GET"]),
             *_both("/api/_faults", self._faults_endpoint, ["GET", "PUT"]),
+            *_both("/oauth/token", self._token_endpoint, ["POST"]),
             *_both(collection, self._collection, ["GET", "POST"]),
             # Before the record's route: `PATCH .../batch` is the batch update, not record "batch".
             *_both(collection + "/batch", self._batch, ["POST", "PATCH"]),
@@ -152,6 +164,26 @@ class SandboxApp:
 
     async def _stats_endpoint(self, _request: Request) -> Response:
         return JSONResponse(self._stats_payload())
+
+    async def _token_endpoint(self, request: Request) -> Response:
+        """OAuth2's client-credentials grant (RFC 6749 section 4.4), the client's credentials in the
+        form body: an access token that expires `token_lifetime_seconds` later."""
+        settings = self.settings
+        form = {k: v[0] for k, v in parse_qs((await request.body()).decode("utf-8", "replace")).items()}
+        self.token_requests += 1
+        if settings.oauth2_client_id is None or self._auth is None:
+            return JSONResponse({"error": "unsupported_grant_type"}, status_code=400)
+        if form.get("grant_type") != "client_credentials":
+            return JSONResponse({"error": "unsupported_grant_type"}, status_code=400)
+        if (
+            form.get("client_id") != settings.oauth2_client_id
+            or form.get("client_secret") != settings.oauth2_client_secret
+        ):
+            return JSONResponse({"error": "invalid_client"}, status_code=401)
+        access = "sandbox-" + secrets.token_urlsafe(16)
+        lifetime = settings.token_lifetime_seconds
+        self._auth.issued[access] = time.monotonic() + lifetime
+        return JSONResponse({"access_token": access, "token_type": "bearer", "expires_in": lifetime})
 
     async def _faults_endpoint(self, request: Request) -> Response:
         if request.method == "PUT":
@@ -270,6 +302,7 @@ class SandboxApp:
             "collections": collections,
             "total": total,
             "unauthorized": 0 if self._auth is None else self._auth.refused,
+            "token_requests": self.token_requests,
             "faults": self._faults.settings,
         }
 

@@ -29,6 +29,11 @@ class SandboxSettings:
     hang_seconds: float = 30.0
     db_path: str | None = None
     seed: int | None = None
+    #: An OAuth2 client the sandbox takes (`POST /oauth/token`, the client-credentials grant): its
+    #: access tokens are accepted like `token` until they expire, `token_lifetime_seconds` later.
+    oauth2_client_id: str | None = None
+    oauth2_client_secret: str | None = None
+    token_lifetime_seconds: int = 1800
 
     def __post_init__(self) -> None:
         self.validate()
@@ -47,6 +52,10 @@ class SandboxSettings:
             raise ValueError(f"db_path must be a non-empty path or None, got {self.db_path!r}")
         if self.seed is not None:
             _integer("seed", self.seed)
+        if (self.oauth2_client_id is None) != (self.oauth2_client_secret is None):
+            raise ValueError("oauth2_client_id and oauth2_client_secret: give both or neither")
+        if not 1 <= _integer("token_lifetime_seconds", self.token_lifetime_seconds) <= 86_400:
+            raise ValueError(f"token_lifetime_seconds must be 1..86400, got {self.token_lifetime_seconds}")
         self.faults()
 
     def faults(self) -> FaultSettings:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,9 @@ def test_demo_runs_end_to_end_and_leaves_the_promised_ledger(
     by_status = Counter(r["status"] for r in rows.values())
     assert {k: v for k, v in counts.items() if v} == dict(by_status)
     assert "breaker_open" in output.getvalue()
+    # Step 7: every contact to a target that wants OAuth2 tokens, none failed.
+    step = re.search(r"(\d+) contacts delivered in [\d.]+ s with (\d+) access tokens?, (\d+) failed", output.getvalue())
+    assert step is not None and step.group(1) == "200" and int(step.group(2)) >= 1 and step.group(3) == "0"
 
 
 @pytest.mark.slow
