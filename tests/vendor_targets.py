@@ -48,6 +48,8 @@ class Vendors:
 
     token_lifetime: int | None = 1800
     rotate: bool = False
+    #: Seconds each API request (not a token request) takes to answer.
+    latency: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
     requests: list[Seen] = field(default_factory=list)
     token_requests: list[dict[str, str]] = field(default_factory=list)
@@ -141,6 +143,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         with v.lock:
             v.requests.append(Seen(self.command, path, headers, body))
+        if v.latency:
+            import time
+
+            time.sleep(v.latency)
         if path.startswith("/crm/v3/objects/"):
             self._reply(*self._hubspot(path, body, headers))
         elif path.startswith("/services/data/"):

@@ -369,3 +369,44 @@ def test_a_batch_update_item_no_result_speaks_for_is_in_doubt_and_sent_again(eng
         assert report.counts["delivered"] == 2 and report.counts["failed"] == 1, report
         row = _ledger(engine)["c-1"]
         assert row["status"] == "failed" and row["in_doubt"] and "no result has id" in row["last_error"]
+
+
+def test_a_chain_running_across_token_expiries_renews_once_per_expiry_and_fails_nothing(engine: sa.Engine) -> None:
+    """Tokens living 2 s, renewed 0.2 s before they run out, a chain of about 3 s: each renewal is
+    one token request, and no request meets an expired token (no 401, nothing failed)."""
+    import time
+
+    with VendorServer(token_lifetime=2) as hubspot:
+        hubspot.state.latency = 0.1
+        _apply(engine, hubspot.url, HUBSPOT)
+        _load(engine, _contacts(30))
+        started = time.monotonic()
+        report = drive(engine, RULE)
+        seconds = time.monotonic() - started
+        assert report.counts["delivered"] == 30 and report.counts["failed"] == 0, report
+        tokens = len(hubspot.state.token_requests)
+        assert 2 <= tokens <= seconds / 1.8 + 1, (tokens, seconds)
+
+
+def test_an_auth_secret_from_a_prefect_secret_block_and_a_missing_one(engine: sa.Engine) -> None:
+    """`*_secret` names a Prefect Secret block, read through the reader the flows layer gives the
+    chain (a dict here; through Prefect in test_secret_tokens); a block that holds nothing fails the
+    chain `MissingCredential` naming it, before anything is sent."""
+    from delivery.chain import Chain
+    from delivery.domain import Phase
+    from delivery.errors import MissingCredential
+    from delivery.phase import run_phase
+
+    with_block = {**ZENDESK, "auth": {"kind": "basic", "username_env": "ZD_USER", "password_secret": "zd-token"}}
+    with VendorServer() as zendesk:
+        _apply(engine, zendesk.url, with_block)
+        _load(engine, {"c-1": {"email": "a@x.io", "name": "A"}})
+        chain = Chain(engine, RULE)
+        assert chain.open(secrets={"zd-token": ZENDESK_TOKEN}.get) is None
+        for phase in (Phase.DRAIN, Phase.SCAN):
+            run_phase(chain, phase, chain.run_batch)
+        assert chain.finish().counts["delivered"] == 1
+        with pytest.raises(MissingCredential) as caught:
+            Chain(engine, RULE).open(secrets={}.get)
+        assert "the Prefect Secret block 'zd-token'" in str(caught.value)
+        assert len(zendesk.state.requests) == 1
