@@ -366,13 +366,7 @@ class _RestWriter(Writer):
             if verb == "create":
                 return "POST", self.collection, body
             return "PATCH", f"{self.collection}/{_segment(values['remote_id'])}", body
-        context = {
-            "fields": dict(body),
-            "record": dict(record.payload) if record is not None else {},
-            "external_id": record.external_id if record is not None else None,
-            "collection": self.collection,
-            **values,
-        }
+        context = self._item_values(body, record, **values)
         try:
             return compiled.shape.method, compiled.path.render(context), compiled.body.render(context)
         except MissingValue as missing:
@@ -450,6 +444,7 @@ class _RestWriter(Writer):
         return cast("list[UpdateResult]", self._many("PATCH", path, entries, creating=False))
 
     def _item_values(self, body: Mapping[str, Any], record: MirrorRecord | None, **values: Any) -> dict[str, Any]:
+        """What a template of one record's request (or batch item) is rendered with."""
         return {
             "fields": dict(body),
             "record": dict(record.payload) if record is not None else {},
