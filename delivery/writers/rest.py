@@ -463,27 +463,26 @@ class _RestWriter(Writer):
         count = len(values)
         results: list[ItemResult] = [None] * count
         rendered: list[tuple[int, Any]] = []
+        item_template = Template(shape.item)
         for index, context in enumerate(values):
             try:
-                item = Template(shape.item).render(context)
-                encode_body({"item": item})
+                rendered.append((index, item_template.render(context)))
             except MissingValue as missing:
-                results[index] = RecordRejected(
-                    self._clean(f"{shape.method} {shape.path}: {missing}; nothing was sent")
-                )
-                continue
-            except (TypeError, ValueError) as exc:
-                what = (
-                    f"{shape.method} {shape.path} (item {index + 1} of {count}): body cannot be encoded as JSON: {exc}"
-                )
-                results[index] = UnsendablePayload(self._clean(what))
-                continue
-            rendered.append((index, item))
-        if not rendered:
-            return results
-        common = {"collection": self.collection, "items": [item for _, item in rendered]}
-        method, path = shape.method, Template(shape.path, path=True).render(common)
-        answer = self._send(method, path, Template(shape.body).render(common), {})
+                refused = f"{shape.method} {shape.path}: {missing}; nothing was sent"
+                results[index] = RecordRejected(self._clean(refused))
+        method = shape.method
+        while True:
+            if not rendered:
+                return results
+            common = {"collection": self.collection, "items": [item for _, item in rendered]}
+            path = Template(shape.path, path=True).render(common)
+            try:
+                content = encode_body(Template(shape.body).render(common))
+                break
+            except (TypeError, ValueError):
+                # Rare: find the items JSON cannot carry (NaN, a lone surrogate) and leave them out.
+                rendered = self._encodable(shape, rendered, results, count)
+        answer = self._send_content(method, path, content, {})
         found = self._shaped_results(method, path, answer, shape)
         for position, (index, item) in enumerate(rendered):
             where = f"{method} {path} (item {index + 1} of {count})"
@@ -518,6 +517,25 @@ class _RestWriter(Writer):
             else:
                 results[index] = None
         return results
+
+    def _encodable(
+        self, shape: BatchShape, rendered: list[tuple[int, Any]], results: list[ItemResult], count: int
+    ) -> list[tuple[int, Any]]:
+        """The rendered items JSON can carry; each other one is that record's `UnsendablePayload`."""
+        kept = []
+        for index, item in rendered:
+            try:
+                encode_body({"item": item})
+            except (TypeError, ValueError) as exc:
+                what = f"{shape.method} {shape.path} (item {index + 1} of {count}): body cannot be encoded: {exc}"
+                results[index] = UnsendablePayload(self._clean(what))
+                continue
+            kept.append((index, item))
+        if len(kept) == len(rendered):  # the body's own constants cannot be encoded: none can go
+            for index, _ in rendered:
+                results[index] = UnsendablePayload(self._clean(f"{shape.method} {shape.path}: body cannot be encoded"))
+            return []
+        return kept
 
     def _shaped_results(self, method: str, path: str, answer: _Answer, shape: BatchShape) -> list[Any] | str:
         """The results of a described batch call, or why a 2xx answer has none usable. Raises for
