@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-sqlite fuzz lint typecheck check demo serve bench bench-quick screenshots clean
+.PHONY: install test test-fast test-sqlite fuzz lint typecheck check demo serve bench bench-quick screenshots clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ install: $(STAMP)
 test: $(STAMP)
 	COVERAGE_FILE=$(VENV)/.coverage $(BIN)/python -m pytest -q -n 3 --dist loadfile \
 		--cov=delivery --cov=flows --cov-report=term:skip-covered
+
+## The inner loop while working: unit and in-process integration tests on SQLite, no coverage, no
+## subprocesses, no Prefect flows run through a server (about 2.5 minutes on this 2-core machine).
+## `make test` stays the whole suite: run it before you commit.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n 3 tests/unit tests/integration -m "not postgres and not slow and not through_prefect"
 
 ## The suite without the PostgreSQL half, for a machine with no PostgreSQL.
 test-sqlite: $(STAMP)
