@@ -152,6 +152,7 @@ class BulkJob(GroupedJob):
             self._call(verb, indices[half:], breaker, signals, got)
             return
         except TargetUnavailable as fault:
+            fault.whole_call = True
             got.update(dict.fromkeys(indices, fault))  # the call failed as a whole: each item alike
             return
         if len(results) != len(indices):

@@ -97,7 +97,7 @@ class BatchRequestConfig(_Strict):
     """One verb's batch call, as the target documents it (see `delivery.domain.BatchShape`)."""
 
     method: str | None = None
-    path: str = Field(min_length=1, max_length=2000)
+    path: str = Field(min_length=1, max_length=500)
     body: Any = Field(default_factory=lambda: {"items": "{{ items }}"})
     item: Any = "{{ fields }}"
     results_at: str = Field(default="results", min_length=1, max_length=200, pattern=r"^[^.\s]+(\.[^.\s]+)*$")
@@ -596,6 +596,21 @@ def parse_config(text: str, origin: str = "config") -> DeliveryConfig:
     return config
 
 
+#: `{{ items }}` as a string of its own in a batch body (it then takes the list itself).
+_ITEMS_ALONE = re.compile(r'"\{\{\s*items\s*\}\}"')
+
+
+def _json_problem(template: Any, where: str) -> list[str]:
+    """A template must be JSON as written (a YAML date or a non-string key is not), so that what is
+    saved is what is read back and sent."""
+    try:
+        if json.loads(json.dumps(template)) != template:
+            return [f"{where}: keys must be strings (JSON objects have no other keys)"]
+    except (TypeError, ValueError) as exc:
+        return [f"{where}: not JSON ({exc}); quote dates and other values YAML reads as something else"]
+    return []
+
+
 def _request_problems(config: DeliveryConfig) -> list[str]:
     """Each verb's request template checked (`delivery.templates.problems`): its method, its
     placeholders (the verb's own), its path. Every problem names its key path."""
@@ -612,6 +627,7 @@ def _request_problems(config: DeliveryConfig) -> list[str]:
                 problems.append(f"{where}.method: {request.method!r} is not one of {' | '.join(METHODS[verb])}")
             allowed = templates.VERB_PLACEHOLDERS[verb]
             problems.extend(templates.problems(request.path, f"{where}.path", allowed, path=True))
+            problems.extend(_json_problem(request.body, f"{where}.body"))
             problems.extend(templates.problems(request.body, f"{where}.body", allowed))
             if verb != "create" and request.id_at is not None:
                 problems.append(f"{where}.id_at: only a create's answer gives the record's id")
@@ -624,9 +640,10 @@ def _request_problems(config: DeliveryConfig) -> list[str]:
             if batch.method is not None and batch.method not in METHODS[verb]:
                 problems.append(f"{where}.method: {batch.method!r} is not one of {' | '.join(METHODS[verb])}")
             problems.extend(templates.problems(batch.path, f"{where}.path", frozenset({"collection"}), path=True))
+            problems.extend(_json_problem(batch.body, f"{where}.body") + _json_problem(batch.item, f"{where}.item"))
             problems.extend(templates.problems(batch.body, f"{where}.body", templates.BATCH_BODY_PLACEHOLDERS))
             problems.extend(templates.problems(batch.item, f"{where}.item", templates.VERB_PLACEHOLDERS[verb]))
-            if "{{ items }}" not in json.dumps(batch.body):
+            if not _ITEMS_ALONE.search(json.dumps(batch.body, default=str)):
                 problems.append(f"{where}.body: holds no {{{{ items }}}}: the call would carry none of its records")
             if verb != "create" and batch.id_at is not None:
                 problems.append(f"{where}.id_at: only a create's results give the records' ids")
@@ -634,9 +651,10 @@ def _request_problems(config: DeliveryConfig) -> list[str]:
 
 
 def check_text(config: DeliveryConfig) -> None:
-    """Refuse a config holding text SQLite and PostgreSQL would not store alike, for a config
-    built without `parse_config` (which checks the file's own text first)."""
-    problems = _unstorable_text(config.model_dump(), ())
+    """Refuse a config holding text SQLite and PostgreSQL would not store alike, or a request
+    template that would not be accepted from a file, for a config built without `parse_config`
+    (which checks the file's own text and templates first)."""
+    problems = _unstorable_text(config.model_dump(), ()) + _request_problems(config)
     if problems:
         raise ConfigError(problems)
 

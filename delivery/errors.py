@@ -188,6 +188,8 @@ class TargetUnavailable(RecordFault):
         self.retry_after_seconds = retry_after_seconds
         self.outcome_unknown = outcome_unknown
         self.status_code = status_code
+        #: Set where one batch call failed as a whole: the same fault stands for each of its items.
+        self.whole_call = False
         super().__init__(message)
 
     @property

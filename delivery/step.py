@@ -335,8 +335,8 @@ class RecordStep:
         fault of the rule raised before anything was sent: the job takes the intent back."""
         try:
             yield
-        except (TrafficHeld, Stopped):
-            raise
+        except (TrafficHeld, Stopped, TimeoutError):
+            raise  # its own answers, and the job's timeout raised into the thread that waits
         except Exception as exc:
             raise TrafficControlFailed(self.rule.name, self.rule.target.name, exc) from exc
 
@@ -372,7 +372,9 @@ class RecordStep:
         if isinstance(fault, TargetUnavailable) and paused_until is None:
             outage_until = breaker.outage_until(now)
             if outage_until is None and decisions.awaiting_proof(row, self.rule.max_attempts):
-                healthy = breaker.failures_since_success() <= 1
+                # A whole batch call's failure is one failure for the breaker but every item's: it
+                # proves nothing about any one of them.
+                healthy = not fault.whole_call and breaker.failures_since_success() <= 1
         return decisions.after_fault(
             row,
             fault,

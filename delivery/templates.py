@@ -86,8 +86,21 @@ def _finalize_text(value: Any) -> Any:
     return "" if value is None else value
 
 
-_BODY_ENV = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, finalize=_finalize_text, autoescape=False)
-_PATH_ENV = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, finalize=_segment, autoescape=False)
+class _Environment(ImmutableSandboxedEnvironment):
+    """Jinja2's immutable sandbox, where `record.items` is the payload's `items` field and never
+    the mapping's method of that name (Jinja2 looks an attribute up before an item)."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if isinstance(obj, Mapping):
+            try:
+                return obj[attribute]
+            except (KeyError, TypeError):
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
+_BODY_ENV = _Environment(undefined=jinja2.StrictUndefined, finalize=_finalize_text, autoescape=False)
+_PATH_ENV = _Environment(undefined=jinja2.StrictUndefined, finalize=_segment, autoescape=False)
 
 
 def problems(template: Any, where: str, allowed: frozenset[str], *, path: bool = False) -> list[str]:
@@ -159,7 +172,12 @@ class Template:
         """The template with `values` in it. Raises `MissingValue` naming the first placeholder a
         value is missing for."""
         if self.path:
-            return _render_text(_PATH_ENV, self.source, values)
+            path = _render_text(_PATH_ENV, self.source, values)
+            if path.startswith("/") or any(part in ("", ".", "..") for part in path.split("/")):
+                # A value rendered empty (a null, "") would address the collection, or join the
+                # text around it into a dot segment: never sent.
+                raise MissingValue(f"{self.source} (it renders {path!r}, a path with an empty or dot segment)")
+            return path
         return _render(self.source, values)
 
 

@@ -44,6 +44,8 @@ class RefreshTokenStore(Protocol):
 
     def save(self, refresh_token: str) -> None: ...
 
+    def forget(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class OAuth2Settings:
@@ -163,14 +165,18 @@ class TokenSource:
                 if settings.grant == "client_credentials":
                     token = client.fetch_token(settings.token_url, grant_type="client_credentials")
                 else:
-                    refresh = (self.store.load() if self.store is not None else None) or settings.refresh_token
-                    token = client.refresh_token(settings.token_url, refresh_token=refresh)
+                    token = self._refresh(client)
             except OAuthError as exc:
                 raise self._refused(f"{exc.error}") from None
             except httpx.TimeoutException as exc:
-                raise TargetUnavailable(f"token endpoint: timed out ({type(exc).__name__})") from None
+                # No request to the target went out: its outcome is known (not applied).
+                raise TargetUnavailable(
+                    f"token endpoint: timed out ({type(exc).__name__})", outcome_unknown=False
+                ) from None
             except httpx.TransportError as exc:
-                raise TargetUnavailable(f"token endpoint: connection error: {type(exc).__name__}") from None
+                raise TargetUnavailable(
+                    f"token endpoint: connection error: {type(exc).__name__}", outcome_unknown=False
+                ) from None
             except (ValueError, KeyError) as exc:
                 raise self._refused(f"an answer without a token ({type(exc).__name__})") from None
         access = token.get("access_token") if isinstance(token, Mapping) else None
@@ -182,6 +188,21 @@ class TokenSource:
             store.save(rotated)
         self._token = _Token(access, token.get("expires_in"), self.clock)
         return access
+
+    def _refresh(self, client: _Client) -> Any:
+        """The refresh-token grant, with the token rotated in last (kept in the store) or else the
+        configured one. A stored token the endpoint refuses (revoked, or from before the
+        configured secret was changed) is forgotten, and the configured one tried once."""
+        settings = self.settings
+        stored = self.store.load() if self.store is not None else None
+        if stored is None or stored == settings.refresh_token:
+            return client.refresh_token(settings.token_url, refresh_token=settings.refresh_token)
+        try:
+            return client.refresh_token(settings.token_url, refresh_token=stored)
+        except Unauthorized:
+            assert self.store is not None
+            self.store.forget()
+            return client.refresh_token(settings.token_url, refresh_token=settings.refresh_token)
 
     def _judge(self, response: httpx.Response) -> httpx.Response:
         """The token endpoint's answer, before Authlib reads it: 429 and 5xx are the target's

@@ -141,3 +141,20 @@ def test_a_record_the_target_alone_fails_is_still_parked(
     assert row["last_error"].startswith(f"gave up after {row['attempts']} attempts: "), row
     assert row["attempts"] > max_attempts
     assert all(r["status"] == "delivered" for k, r in world.ledger().items() if k != "bad-1")
+
+
+def test_a_whole_batch_call_failing_proves_nothing_about_its_items(engine: sa.Engine, target: TargetServer) -> None:
+    """A record awaiting proof (its last attempt spent by a 503 of its own while the others were
+    answered) whose next batch call fails as a whole: one failure for the breaker, but it is the
+    call's, not the record's. Before, the breaker's count of 1 read as "healthy" and it was parked."""
+    world = _world(engine, target, "batch", max_attempts=1, concurrency=1)
+    world.load("a", "b", "c")
+    drive(engine, RULE)
+    world.load("a", "b", "c", name="changed")
+    target.program_remote(world.ledger()["a"]["remote_id"], Answer.status(503))  # a alone fails; b, c answered
+    drive(engine, RULE)
+    assert world.ledger()["a"]["status"] == "failed" and world.ledger()["a"]["attempts"] == 1
+    world.make_due()
+    target.program_batch(Answer.status(503))  # the whole call fails: the target, not the record
+    drive(engine, RULE)
+    assert world.ledger()["a"]["status"] == "failed", world.ledger()["a"]

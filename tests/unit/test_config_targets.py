@@ -216,3 +216,14 @@ def test_a_batch_shape_is_read_with_its_defaults() -> None:
         "results",
         None,
     )
+
+
+def test_a_body_that_is_not_json_as_written_is_refused() -> None:
+    text = _config({"requests": {"create": {"path": "x", "body": {"since": "DATE"}}}}).replace("DATE", "2026-12-07")
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text)
+    assert caught.value.problems[0].startswith("connections[1].requests.create.body: not JSON")
+    problems = _problems({"batch": {"create": {"path": "x", "body": {"inputs": "x {{ items }}"}}}})
+    assert problems == [
+        "connections[1].batch.create.body: holds no {{ items }}: the call would carry none of its records"
+    ]

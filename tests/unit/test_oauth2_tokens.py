@@ -59,6 +59,9 @@ class Store:
     def save(self, refresh_token: str) -> None:
         self.value = refresh_token
 
+    def forget(self) -> None:
+        self.value = None
+
 
 def _source(endpoint: Endpoint, clock: Clock, store: Store | None = None, **changes: object) -> TokenSource:
     settings = OAuth2Settings(**{**SETTINGS.__dict__, **changes})  # type: ignore[arg-type]
@@ -140,3 +143,15 @@ def test_an_unreachable_token_endpoint_is_a_transport_fault() -> None:
     source = TokenSource(SETTINGS, None, 5.0, transport=httpx.MockTransport(down))
     with pytest.raises(TargetUnavailable):
         source.current()
+
+
+def test_a_stored_refresh_token_refused_is_forgotten_and_the_configured_one_tried() -> None:
+    """A rotated token kept from earlier, since revoked (or the configured secret was changed): the
+    endpoint refuses it, the configured token is tried once, and the stale one is dropped."""
+    store = Store()
+    store.value = "stale"
+    endpoint = Endpoint(httpx.Response(400, json={"error": "invalid_grant"}))
+    source = _source(endpoint, Clock(), store)
+    assert source.current() == ("a2", True)
+    assert [form["refresh_token"] for form in endpoint.forms] == ["stale", "r0"]
+    assert store.value is None

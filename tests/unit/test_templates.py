@@ -143,3 +143,22 @@ def test_any_value_renders_to_a_path_under_the_base_url_and_its_body(external_id
     assert body["properties"] == payload and body["id"] == external_id
     assert body["text"] == f"x-{external_id}"
     json.dumps(body)  # still JSON
+
+
+def test_a_payload_field_named_like_a_mapping_method_is_the_field() -> None:
+    record = {"items": [1, 2], "values": "v", "update": "u", "keys": {"k": 1}}
+    assert Template({"i": "{{ record.items }}", "t": "x-{{ record.values }}-{{ record.update }}"}).render(
+        {"record": record}
+    ) == {"i": [1, 2], "t": "x-v-u"}
+    with pytest.raises(MissingValue):
+        Template("{{ record.get }}").render({"record": {}})
+
+
+@pytest.mark.parametrize("value", [None, ""])
+def test_a_path_value_rendering_an_empty_or_dot_segment_is_the_records_refusal(value: Any) -> None:
+    with pytest.raises(MissingValue):
+        Template("contacts/{{ record.crm_id }}", path=True).render({"record": {"crm_id": value}})
+    with pytest.raises(MissingValue):  # the text around it would make a dot segment
+        Template("a/{{ record.x }}../b", path=True).render({"record": {"x": value}})
+    # A value that is itself a dot is escaped, never a dot segment.
+    assert Template("a/{{ record.x }}../b", path=True).render({"record": {"x": "."}}) == "a/%2E../b"
