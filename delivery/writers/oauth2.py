@@ -133,6 +133,18 @@ class TokenSource:
                 return self._token.access_token, False
             return self._fetch(), True
 
+    def cached(self) -> str | None:
+        """The access token held, if it is not due for renewal; None when one must be fetched.
+        Never waits for a fetch in progress (it then answers None, and the caller waits in
+        `current`)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            token = self._token
+            return token.access_token if token is not None and not token.due() else None
+        finally:
+            self._lock.release()
+
     def renew(self, stale: str) -> str:
         """A new token after `stale` was answered 401, unless another request renewed it already."""
         with self._lock:
@@ -243,7 +255,9 @@ class OAuth2Bearer(httpx.Auth):
             yield request
 
     async def async_auth_flow(self, request: httpx.Request) -> AsyncGenerator[httpx.Request, httpx.Response]:
-        token, fresh = await asyncio.to_thread(self.source.current)
+        cached = self.source.cached()
+        # Only a token request (network I/O) goes to a thread: the event loop never waits on it.
+        token, fresh = (cached, False) if cached is not None else await asyncio.to_thread(self.source.current)
         request.headers["Authorization"] = f"Bearer {token}"
         response = yield request
         if response.status_code == 401 and not fresh:

@@ -155,3 +155,13 @@ def test_a_stored_refresh_token_refused_is_forgotten_and_the_configured_one_trie
     assert source.current() == ("a2", True)
     assert [form["refresh_token"] for form in endpoint.forms] == ["stale", "r0"]
     assert store.value is None
+
+
+def test_a_cached_token_is_read_without_waiting_and_none_when_due() -> None:
+    clock, endpoint = Clock(), Endpoint(expires_in=100)
+    source = _source(endpoint, clock)
+    assert source.cached() is None  # nothing fetched yet
+    source.current()
+    assert source.cached() == "a1"
+    clock.now += 95
+    assert source.cached() is None  # due: the caller fetches through `current`
