@@ -226,7 +226,8 @@ def after_fault(
     that spends the last attempt leaves it failed (`awaiting_proof`), and it is sent once more, so
     a record is parked for the target's failures only when they came again after the target was
     seen answering others. An outage (the target down for everyone) therefore parks nothing,
-    whether the breaker tripped yet or not."""
+    whether the breaker tripped yet or not, save the one case ADR-0039 names (a proof attempt that
+    is the very first request of a new outage)."""
     attempts = (row.attempts if row else 0) + 1
     kept: dict[str, Any] = {}
     if unknown:
