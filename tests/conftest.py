@@ -52,6 +52,7 @@ hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 #: collected last leaves one worker running it alone while the others sit idle at the end.
 SLOWEST_FIRST = (
     "test_server_restart",
+    "test_server_restart_postgres",
     "test_kill_settles",
     "test_exclusivity",
     "test_warm_worker",
