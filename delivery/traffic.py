@@ -99,9 +99,10 @@ class TargetTraffic:
             now = self.clock()
             got = self._take(now, bounds.deadline)
             if isinstance(got, Slot):
+                waits = got.at > self.clock()  # a slot for now was read with the pause: no wait, no read
                 if not self._wait(got.at, bounds):
                     return False
-                if got.at > now and self._paused_meanwhile():
+                if waits and self._paused_meanwhile():
                     continue  # a pause began while it waited for its slot: it waits for the pause
                 if self._too_late(got.at):
                     continue  # the slot has passed: sending now would crowd the next one's
@@ -122,9 +123,10 @@ class TargetTraffic:
             now = self.clock()
             got = await off_loop(self._take, now, bounds.deadline)
             if isinstance(got, Slot):
+                waits = got.at > self.clock()
                 if not await self._wait_async(got.at, bounds):
                     return False
-                if got.at > now and await off_loop(self._paused_meanwhile):
+                if waits and await off_loop(self._paused_meanwhile):
                     continue
                 if self._too_late(got.at):
                     continue

@@ -175,6 +175,9 @@ class _RestWriter(Writer):
         headers = {"Accept": "application/json", "User-Agent": "delivery-engine", **dict(target.headers)}
         auth = self._authenticate(headers, refresh_store)
         self._requests = {verb: _Compiled.of(shape) for verb, shape in target.requests}
+        #: Where a create's answer keeps the new id: the create template's `id_at`, else `id_field`.
+        create = target.request("create")
+        self._id_at = create.id_at if create is not None and create.id_at else None
         self._client_options: dict[str, Any] = {
             "auth": auth,
             "base_url": target.base_url.rstrip("/") + "/",
@@ -344,9 +347,7 @@ class _RestWriter(Writer):
 
     def _create(self, body: Mapping[str, Any], idempotency_key: str, record: MirrorRecord | None = None) -> str:
         method, path, content = self._request("create", body, record, idempotency_key=idempotency_key)
-        answer = self._send_content(
-            method, path, self._encode(method, path, content), {"Idempotency-Key": idempotency_key}
-        )
+        answer = self._send(method, path, content, {"Idempotency-Key": idempotency_key})
         return self._created_id(method, path, answer)
 
     async def _acreate(self, body: Mapping[str, Any], idempotency_key: str, record: MirrorRecord | None = None) -> str:
@@ -387,10 +388,8 @@ class _RestWriter(Writer):
             decoded = answer.response.json()
         except ValueError as exc:
             raise Unaddressable(self._clean(f"{method} {path}: HTTP {answer.status_code} answer is not JSON")) from exc
-        compiled = self._requests.get("create")
-        id_at = compiled.shape.id_at if compiled is not None else None
-        if id_at is not None:
-            remote_id = at_path(decoded, id_at)
+        if self._id_at is not None:
+            remote_id = at_path(decoded, self._id_at)
         else:
             remote_id = decoded.get(self.target.id_field) if isinstance(decoded, dict) else None
         if (unusable := self._unusable(remote_id)) is not None:
@@ -406,8 +405,7 @@ class _RestWriter(Writer):
         problem = None if remote_id is None else remote_id_problem(remote_id)
         if remote_id is not None and problem is None:
             return None
-        compiled = self._requests.get("create")
-        where = compiled.shape.id_at if compiled is not None and compiled.shape.id_at else self.target.id_field
+        where = self._id_at or self.target.id_field
         return f"no usable {where!r}" + ("" if problem is None else f" (it {problem})")
 
     def _update(self, remote_id: str, body: Mapping[str, Any], record: MirrorRecord | None = None) -> None:
