@@ -28,11 +28,20 @@ from delivery.job import JobContext
 from delivery.settle import SettleGroups
 from delivery.step import NOT_SENT, Send, not_sent_end
 from delivery.workers import Cut, Signals
-from delivery.writers.base import BatchRefused, CreateItem, CreatesMany, UpdateItem, UpdatesMany, Writer
+from delivery.writers.base import (
+    BatchRefused,
+    CreateItem,
+    CreatesMany,
+    DeleteItem,
+    DeletesMany,
+    UpdateItem,
+    UpdatesMany,
+    Writer,
+)
 
 
 def offers_batches(writer: Writer) -> bool:
-    return isinstance(writer, (CreatesMany, UpdatesMany))
+    return isinstance(writer, (CreatesMany, UpdatesMany, DeletesMany))
 
 
 class BulkJob(GroupedJob):
@@ -41,7 +50,7 @@ class BulkJob(GroupedJob):
     def __init__(self, context: JobContext, candidates: list[Candidate], phase: Phase) -> None:
         super().__init__(context, candidates, phase)
         writer = context.writer
-        assert isinstance(writer, (CreatesMany, UpdatesMany))  # `offers_batches`: chosen for it
+        assert isinstance(writer, (CreatesMany, UpdatesMany, DeletesMany))  # `offers_batches`: chosen for it
         self.writer = writer
         self.window_size = max(1, writer.max_items)
 
@@ -59,18 +68,23 @@ class BulkJob(GroupedJob):
             return None  # the batch was cut before this window was prepared
         creates: list[int] = []
         updates: list[int] = []
+        deletes: list[int] = []
         alone: list[int] = []
         for i in self.window(unit):
             plan = self.plans[i]
             if not isinstance(plan, Send) or self.intents.get(i) is None:
                 alone.append(i)  # an outcome without writing, or a row a requeue took meanwhile
+            elif plan.replay_create or plan.delete_first:
+                alone.append(i)  # two calls in turn, the second needing the first's answer
             elif plan.verb is Verb.CREATE and not plan.follow_up and isinstance(self.writer, CreatesMany):
                 creates.append(i)
             elif plan.verb is Verb.UPDATE and isinstance(self.writer, UpdatesMany):
                 updates.append(i)
+            elif plan.verb is Verb.DELETE and isinstance(self.writer, DeletesMany):
+                deletes.append(i)
             else:
                 alone.append(i)
-        for verb, indices in ((Verb.CREATE, creates), (Verb.UPDATE, updates)):
+        for verb, indices in ((Verb.CREATE, creates), (Verb.UPDATE, updates), (Verb.DELETE, deletes)):
             if indices:
                 cut = self._send_many(verb, indices, breaker, signals, groups)
                 if cut is not None:
@@ -130,9 +144,12 @@ class BulkJob(GroupedJob):
                     rule.name, self.candidates[i].record.external_id, generation, rule.key_epoch
                 )
                 items.append(CreateItem(plan.body, key, self.candidates[i].record))
-            else:
+            elif verb is Verb.UPDATE:
                 assert row is not None and row.remote_id is not None  # an update has a row holding the remote id
                 items.append(UpdateItem(row.remote_id, plan.body, self.candidates[i].record))
+            else:
+                assert row is not None and row.remote_id is not None  # so has a delete (`_unit`)
+                items.append(DeleteItem(row.remote_id, self.candidates[i].record))
         writer = self.writer
         # Only records whose verb the writer offers in batches reach here (see `_unit`).
         call: Callable[[Any], list[Any]] | None = None
@@ -140,6 +157,8 @@ class BulkJob(GroupedJob):
             call = writer.create_many
         if isinstance(writer, UpdatesMany) and verb is Verb.UPDATE:
             call = writer.update_many
+        if isinstance(writer, DeletesMany) and verb is Verb.DELETE:
+            call = writer.delete_many
         assert call is not None
         try:
             results = step.call(breaker, self.context.bounds(signals.stop), call, items)

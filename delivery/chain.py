@@ -45,6 +45,7 @@ from delivery.domain import (
 from delivery.errors import (
     MissingCredential,
     MissingWriter,
+    TooManyDeletes,
     UnusableCredential,
 )
 from delivery.grouped import GroupedJob
@@ -130,6 +131,8 @@ class Chain:
         self._heartbeat = Heartbeat(self.token, clock, liveness.HEARTBEAT_SECONDS)
         #: Seconds waited for traffic by the chain's earlier `TargetTraffic`s (a rule saved mid-chain).
         self._waited_before = 0.0
+        #: Deletes this chain's jobs sent (see `_guard_deletes`).
+        self._deletes = 0
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -330,9 +333,11 @@ class Chain:
                 candidates = ledger.scan_page(conn, rule, self._scan_from, rule.batch_size)
         if saved is not None:
             self._adopt(saved)
+        deleting = self._guard_deletes(candidates)
         self._deadline = self._job_deadline(self.rule)
         waited = self.waited_seconds
         attempted, ended = self._work(candidates, phase)
+        self._deletes += sum(1 for i in deleting if attempted[i] is not None)
         report.waited_seconds = self.waited_seconds - waited
         if ended is None and self._traffic is not None and self._traffic.paused_past(self._deadline):
             # The target asked for a pause this job cannot wait out: no later job could send either.
@@ -367,6 +372,20 @@ class Chain:
                 self._heartbeat(conn, every=0)
         self.report.add(report)
         return report
+
+    def _guard_deletes(self, candidates: list[Candidate]) -> list[int]:
+        """The page's records whose step will send a delete, by index. Raises `TooManyDeletes`,
+        before anything of the page is sent, when they would bring the chain's deletes past the
+        rule's `max_deletes_per_chain`: a source emptied by mistake must not empty the target."""
+        rule = self.rule
+        deleting = [
+            i
+            for i, candidate in enumerate(candidates)
+            if decisions.plans_delete(rule, candidate.ledger, candidate.record.deleted)
+        ]
+        if deleting and self._deletes + len(deleting) > rule.max_deletes_per_chain:
+            raise TooManyDeletes(rule.name, self._deletes + len(deleting), rule.max_deletes_per_chain)
+        return deleting
 
     def _left_behind(self, candidates: list[Candidate], statuses: list[LedgerStatus | None]) -> list[LeftBehind]:
         """The job's records that were parked or left failed, with their errors as settled (read

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from delivery import templates
 from delivery.domain import (
+    DEFAULT_MAX_DELETES_PER_CHAIN,
     DEFAULT_MAX_PAUSE_SECONDS,
     AuthSettings,
     BatchEndpoints,
@@ -25,6 +26,7 @@ from delivery.domain import (
     BreakerSettings,
     ConnectionSpec,
     ConnectionStatus,
+    DeletePolicy,
     Forbidden,
     Nulls,
     Policy,
@@ -34,6 +36,7 @@ from delivery.domain import (
     SavedRule,
     SettleMode,
     Verb,
+    rule_verbs,
 )
 from delivery.errors import ConfigError
 from delivery.storable import text_problem
@@ -106,21 +109,27 @@ class BatchRequestConfig(_Strict):
 
     def shape(self, verb: str) -> BatchShape:
         method = self.method or METHODS[verb][0]
-        return BatchShape(method, self.path, self.body, self.item, self.results_at, self.match, self.id_at)
+        item = self.item
+        if verb == "delete" and "item" not in self.model_fields_set:
+            item = {"id": "{{ remote_id }}"}  # a delete's item names the record, and nothing else
+        return BatchShape(method, self.path, self.body, item, self.results_at, self.match, self.id_at)
 
 
 class BatchConfig(_Strict):
     create_path: BatchPath | None = None
     update_path: BatchPath | None = None
+    delete_path: BatchPath | None = None
     max_items: int = Field(default=100, ge=1, le=10_000)
     create: BatchRequestConfig | None = None
     update: BatchRequestConfig | None = None
+    delete: BatchRequestConfig | None = None
 
     @model_validator(mode="after")
     def _some_path(self) -> BatchConfig:
-        if all(v is None for v in (self.create_path, self.update_path, self.create, self.update)):
-            raise ValueError("give create_path, update_path, create or update")
-        for verb in ("create", "update"):
+        verbs = ("create", "update", "delete")
+        if all(getattr(self, f"{v}_path") is None and getattr(self, v) is None for v in verbs):
+            raise ValueError("give create_path, update_path, delete_path, create, update or delete")
+        for verb in verbs:
             if getattr(self, f"{verb}_path") is not None and getattr(self, verb) is not None:
                 raise ValueError(f"{verb}_path and {verb}: describe the batch {verb} once")
         return self
@@ -128,12 +137,15 @@ class BatchConfig(_Strict):
     def endpoints(self) -> BatchEndpoints:
         create = None if self.create is None else self.create.shape("create")
         update = None if self.update is None else self.update.shape("update")
+        delete = None if self.delete is None else self.delete.shape("delete")
         return BatchEndpoints(
             create.path if create else self.create_path,
             update.path if update else self.update_path,
             self.max_items,
             create,
             update,
+            delete.path if delete else self.delete_path,
+            delete,
         )
 
 
@@ -226,6 +238,7 @@ class RequestConfig(_Strict):
 class RequestsConfig(_Strict):
     create: RequestConfig | None = None
     update: RequestConfig | None = None
+    delete: RequestConfig | None = None
 
 
 class ConnectionConfig(_Strict):
@@ -303,11 +316,14 @@ class ConnectionConfig(_Strict):
         if self.requests is None:
             return ()
         shapes = []
-        for verb in ("create", "update"):
+        for verb in ("create", "update", "delete"):
             request: RequestConfig | None = getattr(self.requests, verb)
             if request is not None:
                 method = request.method or METHODS[verb][0]
-                shapes.append((verb, RequestShape(method, request.path, request.body, request.id_at)))
+                body = request.body
+                if verb == "delete" and "body" not in request.model_fields_set:
+                    body = None  # a delete sends no body unless its template gives one
+                shapes.append((verb, RequestShape(method, request.path, body, request.id_at)))
         return tuple(shapes)
 
 
@@ -364,6 +380,10 @@ class RuleConfig(_Strict):
     concurrency: int = Field(default=1, ge=1, le=64)
     # A mapped field whose value is null: sent as null (clearing it in the target), or left out.
     nulls: Nulls = Nulls.SEND
+    # A record deleted in the source: left in the target, or deleted where this rule created it.
+    deletes: DeletePolicy = DeletePolicy.IGNORE
+    # The most deletes one chain may send; a batch that would go past it sends nothing (0: none).
+    max_deletes_per_chain: int = Field(default=DEFAULT_MAX_DELETES_PER_CHAIN, ge=0, le=1_000_000_000)
 
     @field_validator("collection")
     @classmethod
@@ -405,6 +425,8 @@ class RuleConfig(_Strict):
             enabled=self.enabled,
             concurrency=self.concurrency,
             nulls=self.nulls,
+            deletes=self.deletes,
+            max_deletes_per_chain=self.max_deletes_per_chain,
         )
 
 
@@ -618,7 +640,7 @@ def _request_problems(config: DeliveryConfig) -> list[str]:
     for index, connection in enumerate(config.connections):
         if connection.requests is None:
             continue
-        for verb in ("create", "update"):
+        for verb in ("create", "update", "delete"):
             request: RequestConfig | None = getattr(connection.requests, verb)
             if request is None:
                 continue
@@ -632,7 +654,7 @@ def _request_problems(config: DeliveryConfig) -> list[str]:
             if verb != "create" and request.id_at is not None:
                 problems.append(f"{where}.id_at: only a create's answer gives the record's id")
     for index, connection in enumerate(config.connections):
-        for verb in ("create", "update"):
+        for verb in ("create", "update", "delete"):
             batch: BatchRequestConfig | None = getattr(connection.batch, verb, None)
             if batch is None:
                 continue
@@ -740,6 +762,11 @@ def check_rules(
                 f"{where}.policy: rule {rule.name!r}: policy {rule.policy.value!r} needs the {verb.value!r} verb, "
                 f"which driver {driver!r} does not offer"
             )
+        if rule.deletes is DeletePolicy.PROPAGATE and Verb.DELETE not in verbs_of(writer):
+            problems.append(
+                f"{where}.deletes: rule {rule.name!r}: deletes 'propagate' needs the 'delete' verb, "
+                f"which driver {driver!r} does not offer (set deletes: ignore, or use a driver that deletes)"
+            )
     problems.extend(_saved_rule_problems(config, known_connections, saved_rules))
     for index, connection in enumerate(config.connections):
         writer = find_writer(connection.driver)
@@ -764,6 +791,7 @@ def _batch_problems(index: int, connection: ConnectionConfig, writer: type[Write
     for field, path, verb in (
         ("create_path", batch.create_path, Verb.CREATE),
         ("update_path", batch.update_path, Verb.UPDATE),
+        ("delete_path", batch.delete_path, Verb.DELETE),
     ):
         if path is None:
             continue
@@ -800,11 +828,15 @@ def _saved_rule_problems(
 
 def _saved_rule_problem(saved: SavedRule, driver: str | None) -> str | None:
     writer = find_writer(driver)
-    missing = sorted(saved.policy.verbs - (frozenset() if writer is None else verbs_of(writer)))
+    missing = sorted(rule_verbs(saved.policy, saved.deletes) - (frozenset() if writer is None else verbs_of(writer)))
     if not missing:
         return None
     verbs = " and ".join(repr(verb.value) for verb in missing)
-    needs = f"the {verbs} verb{'s' if len(missing) > 1 else ''} its policy {saved.policy.value!r} needs"
+    plural = "s" if len(missing) > 1 else ""
+    if saved.deletes is DeletePolicy.PROPAGATE:
+        needs = f"the {verbs} verb{plural} its policy {saved.policy.value!r} and deletes 'propagate' need"
+    else:
+        needs = f"the {verbs} verb{plural} its policy {saved.policy.value!r} needs"
     head = f"rule {saved.name!r} (saved) targets {saved.target!r}"
     if driver is None:
         return f"{head}, which the file declares without a driver, so no writer offers {needs}"

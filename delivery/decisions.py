@@ -17,6 +17,7 @@ from delivery.domain import (
     Connection,
     ConnectionStatus,
     Cursor,
+    DeletePolicy,
     LedgerRow,
     LedgerStatus,
     Outcome,
@@ -176,6 +177,7 @@ def parked(row: LedgerRow | None, status: LedgerStatus, **changes: Any) -> Outco
         "delivered_digest": row.delivered_digest if row else None,
         "create_generation": row.create_generation if row else 0,
         "in_doubt": row.in_doubt if row else False,
+        "deleting": row.deleting if row else False,
     }
     return Outcome(status, **{**kept, **changes})
 
@@ -190,6 +192,41 @@ def delivered(row: LedgerRow | None, remote_id: str | None, digest: str, note: s
         create_generation=row.create_generation if row else 0,
         last_error=note,
     )
+
+
+def deleted(row: LedgerRow | None, remote_id: str | None) -> Outcome:
+    """The target no longer holds the copy `remote_id` (it answered the delete 2xx, or 404/410:
+    gone already is the same end). The row forgets the id and moves its Idempotency-Key on, so a
+    record restored in the source is created again under a new key, never answered with the
+    deleted copy."""
+    return Outcome(
+        LedgerStatus.DELETED,
+        remote_id=None,
+        last_error=f"deleted in the target (its id there was {remote_id})" if remote_id else None,
+        create_generation=(row.create_generation if row else 0) + 1,
+        key_renewed=True,
+    )
+
+
+def create_may_have_landed(row: LedgerRow | None) -> bool:
+    """Whether a create may have made the record in the target although the row holds no remote
+    id: a create went out under the row's current key (its first body's digest is kept from before
+    the send until an answer gives the id), and its outcome was never learnt. A row from before
+    those digests were kept counts once it has been attempted."""
+    if row is None or row.remote_id:
+        return False
+    return row.create_digest is not None or row.in_doubt or row.attempts > 0
+
+
+def plans_delete(rule: Rule, row: LedgerRow | None, record_deleted: bool) -> bool:
+    """Whether a record's step will send a delete (`delivery.step.RecordStep.plan`): the record is
+    deleted in the source and the rule propagates deletes, where the rule's copy exists or may
+    exist; or a delete of the row's remote id may have been applied already (it is finished)."""
+    if row is not None and row.deleting and row.remote_id:
+        return True
+    if not record_deleted or rule.deletes is not DeletePolicy.PROPAGATE:
+        return False
+    return bool(row is not None and row.remote_id) or create_may_have_landed(row)
 
 
 def after_fault(

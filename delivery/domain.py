@@ -62,6 +62,20 @@ class Policy(enum.StrEnum):
 class Verb(enum.StrEnum):
     CREATE = "create"
     UPDATE = "update"
+    DELETE = "delete"
+
+
+class DeletePolicy(enum.StrEnum):
+    """What a rule does with a record deleted in the source: nothing (`ignore`: the target keeps
+    its copy), or delete the copy this rule made (`propagate`: only where its ledger row holds a
+    remote id; nothing the rule did not create is ever deleted)."""
+
+    IGNORE = "ignore"
+    PROPAGATE = "propagate"
+
+
+#: How many deletes one chain may send unless its rule says otherwise (`max_deletes_per_chain`).
+DEFAULT_MAX_DELETES_PER_CHAIN = 100
 
 
 class LedgerStatus(enum.StrEnum):
@@ -70,6 +84,8 @@ class LedgerStatus(enum.StrEnum):
     FAILED = "failed"
     EXHAUSTED = "exhausted"
     REMOTE_GONE = "remote_gone"
+    #: The target no longer holds the copy this rule made (the record was deleted in the source).
+    DELETED = "deleted"
 
     @property
     def is_terminal(self) -> bool:
@@ -163,6 +179,16 @@ class BatchEndpoints:
     max_items: int = 100
     create_shape: BatchShape | None = None
     update_shape: BatchShape | None = None
+    delete_path: str | None = None
+    delete_shape: BatchShape | None = None
+
+    def path(self, verb: Verb) -> str | None:
+        """The batch path of `verb`, None where it is sent one record per call."""
+        return {Verb.CREATE: self.create_path, Verb.UPDATE: self.update_path, Verb.DELETE: self.delete_path}[verb]
+
+    def shape(self, verb: Verb) -> BatchShape | None:
+        """The described batch call of `verb`, None where it is the built-in wire format."""
+        return {Verb.CREATE: self.create_shape, Verb.UPDATE: self.update_shape, Verb.DELETE: self.delete_shape}[verb]
 
 
 @dataclass(frozen=True)
@@ -262,6 +288,18 @@ class Rule:
     #: Moved by every change of source or domain; part of the Idempotency-Key (see `decisions.idempotency_key`).
     key_epoch: int = 0
     nulls: Nulls = Nulls.SEND
+    deletes: DeletePolicy = DeletePolicy.IGNORE
+    max_deletes_per_chain: int = DEFAULT_MAX_DELETES_PER_CHAIN
+
+    @property
+    def verbs(self) -> frozenset[Verb]:
+        """The verbs this rule may use: its policy's, and delete where it propagates deletes."""
+        return rule_verbs(self.policy, self.deletes)
+
+
+def rule_verbs(policy: Policy, deletes: DeletePolicy) -> frozenset[Verb]:
+    """The verbs a rule with this policy and `deletes` needs its target's writer to offer."""
+    return policy.verbs | ({Verb.DELETE} if deletes is DeletePolicy.PROPAGATE else frozenset())
 
 
 @dataclass(frozen=True)
@@ -306,6 +344,8 @@ class RuleSpec:
     enabled: bool
     concurrency: int
     nulls: Nulls = Nulls.SEND
+    deletes: DeletePolicy = DeletePolicy.IGNORE
+    max_deletes_per_chain: int = DEFAULT_MAX_DELETES_PER_CHAIN
 
 
 class SavedRule(NamedTuple):
@@ -314,6 +354,7 @@ class SavedRule(NamedTuple):
     name: str
     target: str
     policy: Policy
+    deletes: DeletePolicy = DeletePolicy.IGNORE
 
 
 @dataclass(frozen=True)
@@ -354,6 +395,10 @@ class LedgerRow:
     #: A write may have reached the target without its answer being recorded: what the target
     #: holds is unknown (see `delivery.decisions.plan_write`).
     in_doubt: bool = False
+    #: A delete of `remote_id` went out and its answer was not recorded: the target may no longer
+    #: hold the record. Its next offer finishes the delete first (a live record is then created
+    #: again under a new key).
+    deleting: bool = False
 
 
 @dataclass(frozen=True)
@@ -378,6 +423,11 @@ class Outcome:
     #: What the target holds is unknown after this attempt (its answer was not seen, or an
     #: earlier write's never was).
     in_doubt: bool = False
+    #: A delete of `remote_id` may have been applied (see `LedgerRow.deleting`).
+    deleting: bool = False
+    #: The row's Idempotency-Key moved on (`create_generation` is new): nothing was sent under it
+    #: yet, so the first body sent under the old one is forgotten.
+    key_renewed: bool = False
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,10 @@
     │   │                                 break, a space, a character beyond ASCII)
     │   ├── Unauthorized                  the target refused the token: HTTP 401, or 403 unless the
     │   │                                 connection says a 403 refuses one record
-    │   └── TrafficControlFailed          the target's traffic control could not admit a request
-    │                                     (nothing sent; the cause chained)
+    │   ├── TrafficControlFailed          the target's traffic control could not admit a request
+    │   │                                 (nothing sent; the cause chained)
+    │   └── TooManyDeletes                a batch would take the chain's deletes past the rule's
+    │                                     `max_deletes_per_chain` (the batch sends nothing)
     └── RecordFault                     parks one record in its ledger row; the job carries on
         ├── TargetUnavailable             timeout, connection error, 5xx, 429: counts for the breaker;
         │   │                             `outcome_unknown` when the write may have been applied;
@@ -26,7 +28,7 @@
         │   └── AnswerSaysNothing         a 2xx batch answer without a usable result for an update
         │                                 item: in doubt, sent again (counts nothing for the breaker)
         ├── RecordRejected                any other 4xx about this record
-        ├── RemoteGone                    an update answered 404/410
+        ├── RemoteGone                    an update answered 404/410 (a delete so answered is done)
         ├── Unaddressable                 a create answered 2xx with no usable id
         └── UnsendablePayload             the writer cannot encode this record's body (e.g. NaN):
                                           exhausted at once, a retry would meet it again
@@ -161,6 +163,25 @@ class TrafficControlFailed(RuleFault):
         super().__init__(
             f"rule {rule!r}: the traffic control of target {target!r} failed before a request was sent: "
             f"{type(cause).__name__}: {cause}"
+        )
+
+
+class TooManyDeletes(RuleFault):
+    """A batch would take its chain's deletes past the rule's `max_deletes_per_chain`: a source
+    that emptied a table by mistake must not empty the target. Raised as the batch is planned,
+    before it sends anything; what earlier batches did stands."""
+
+    remedy = (
+        "check the source: if the deletes are meant, raise the rule's max_deletes_per_chain "
+        "(`delivery apply`), then run the rule again"
+    )
+
+    def __init__(self, rule: str, count: int, limit: int) -> None:
+        self.count = count
+        self.limit = limit
+        super().__init__(
+            f"rule {rule!r}: this batch would bring the chain's deletes to {count}, past its "
+            f"max_deletes_per_chain of {limit}; the batch sent nothing"
         )
 
 

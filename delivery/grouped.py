@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from delivery.breaker import TargetBreaker
-from delivery.domain import Candidate, ChainEnd, LedgerRow, LedgerStatus, Outcome, Phase, Verb
+from delivery.domain import Candidate, ChainEnd, LedgerRow, LedgerStatus, Outcome, Phase
 from delivery.errors import LedgerRowConflict, RuleFault
 from delivery.job import JobContext, Settled
 from delivery.settle import GROUP_RECORDS, SettleGroups
@@ -198,29 +198,21 @@ class GroupedJob:
         any of them is sent."""
         context, step = self.context, self.context.step
         indices = self.window(window)
-        creates: list[tuple[int, Send]] = []
-        updates: list[int] = []
+        sends: list[tuple[int, Send]] = []
         for i in indices:
             step.check(self.candidates[i], self.phase)
             plan = self.plans[i] = step.plan(self.candidates[i])
-            if isinstance(plan, Send) and plan.verb is Verb.CREATE:
-                creates.append((i, plan))
-            elif isinstance(plan, Send):
-                updates.append(i)
-        if creates or updates:
-            intents: dict[int, LedgerRow | None] = {}
+            if isinstance(plan, Send):
+                sends.append((i, plan))
+        if sends:
             with context.engine.begin() as conn:
                 if not context.fence_held_for_workers(conn):
                     self.superseded = True
                     return
-                # One executemany for the creates' new rows, one statement for the updates' doubt:
-                # a window may hold fifty of either.
-                made = context.write_create_intents(conn, [(self.candidates[i], plan) for i, plan in creates])
-                intents.update(zip((i for i, _ in creates), made, strict=True))
-                rows = [self.candidates[i].ledger for i in updates]
-                marked = ledger.record_update_intents(conn, [row for row in rows if row is not None])
-                intents.update(zip(updates, marked, strict=True))
-            self.intents.update(intents)  # only once committed: a rolled-back intent is no row to take back
+                # One statement for each kind of write: a window may hold fifty of any.
+                made = context.write_intents(conn, [(self.candidates[i], plan) for i, plan in sends])
+            # Only once committed: a rolled-back intent is no row to take back.
+            self.intents.update(zip((i for i, _ in sends), made, strict=True))
         self.windows.add(window)
 
     def window(self, window: int) -> range:

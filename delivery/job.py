@@ -126,23 +126,36 @@ class JobContext:
         return self.fence.held_for(conn, self.worker_breakers)
 
     def write_intent(self, conn: sa.Connection, candidate: Candidate, plan: Send) -> LedgerRow | None:
-        """What the ledger must say before `plan` goes out (see `ledger.record_create_intent` and
-        `ledger.record_update_intents`): the row as it now stands, or None when a requeue took it."""
-        if plan.verb is Verb.CREATE:
-            return ledger.record_create_intent(
-                conn, self.rule, candidate, plan.digest, self.clock(), follow_up=plan.follow_up
-            )
-        assert candidate.ledger is not None  # an update has a row holding the remote id
-        return ledger.record_update_intents(conn, [candidate.ledger])[0]
+        """What the ledger must say before `plan` goes out: the row as it now stands, or None when
+        a requeue took it (see `write_intents`)."""
+        return self.write_intents(conn, [(candidate, plan)])[0]
 
-    def write_create_intents(
-        self, conn: sa.Connection, creates: Sequence[tuple[Candidate, Send]]
-    ) -> list[LedgerRow | None]:
-        """`write_intent` for many creates at once (a window's), new rows in one executemany (see
-        `ledger.record_create_intents`)."""
-        now = self.clock()
-        items = [(candidate, plan.digest, plan.follow_up) for candidate, plan in creates]
-        return ledger.record_create_intents(conn, self.rule, items, now)
+    def write_intents(self, conn: sa.Connection, sends: Sequence[tuple[Candidate, Send]]) -> list[LedgerRow | None]:
+        """What the ledger must say before each write goes out, for a window's writes at once: a
+        create's key and first body (`ledger.record_create_intents`: new rows in one executemany),
+        an update's doubt (`ledger.record_update_intents`), a delete's `deleting`
+        (`ledger.record_delete_intents`), one statement for each kind. A write that finishes what
+        its row says already (a create replayed to learn the id to delete, a create after a delete
+        that may have landed) needs none. Returns each row as it now stands, or None where a
+        requeue took it since the page was read."""
+        intents: list[LedgerRow | None] = [candidate.ledger for candidate, _ in sends]
+        creates = [i for i, (_, plan) in enumerate(sends) if plan.verb is Verb.CREATE and not plan.delete_first]
+        if creates:
+            items = [(sends[i][0], sends[i][1].digest, sends[i][1].follow_up) for i in creates]
+            made = ledger.record_create_intents(conn, self.rule, items, self.clock())
+            for i, row in zip(creates, made, strict=True):
+                intents[i] = row
+        for verb, record_intents in (
+            (Verb.UPDATE, ledger.record_update_intents),
+            (Verb.DELETE, ledger.record_delete_intents),
+        ):
+            chosen = [i for i, (_, plan) in enumerate(sends) if plan.verb is verb and not plan.replay_create]
+            rows = [sends[i][0].ledger for i in chosen]
+            assert all(row is not None for row in rows)  # an update or a delete has a row holding the remote id
+            if chosen:
+                for i, row in zip(chosen, record_intents(conn, [r for r in rows if r is not None]), strict=True):
+                    intents[i] = row
+        return intents
 
     def left_to_requeue(self, candidate: Candidate, when: str) -> None:
         """A row whose version moved since the page was read: a requeue wrote it, and it stands."""

@@ -1,6 +1,6 @@
 """What the next chain of a rule would do now, before it runs: whether it would start at all, then
 the due retries (the drain's set) and the scan's first changes, each record with what the chain
-would do with it (create, update, suppress, or skip) and why.
+would do with it (create, update, delete, suppress, or skip) and why.
 
 The decisions are the engine's own: the health gate (`decisions.gate`), the breaker's stored state,
 the writer's registry and verbs, the drain's page (`ledger.drain_page`), where the scan starts
@@ -23,7 +23,7 @@ import sqlalchemy as sa
 
 from delivery import breaker, decisions
 from delivery.clock import utcnow
-from delivery.domain import Candidate, ChainEnd, Cursor, LedgerStatus, Phase, Rule, Verb
+from delivery.domain import Candidate, ChainEnd, Cursor, DeletePolicy, LedgerStatus, Phase, Rule, Verb
 from delivery.errors import MissingWriter, UnexpectedCandidate, UnsupportedDeliveryVerb
 from delivery.step import RecordStep, Send
 from delivery.store import catalog, ledger, traffic
@@ -45,7 +45,18 @@ REPLAY_NOT_UPDATED = "the key may have carried an older body, which the target m
 IN_DOUBT = "in doubt (an earlier write's answer was never seen): sent whatever its body"
 CHANGED = "its mapped body differs from what was last delivered"
 NOTHING_DELIVERED = "no body delivered under its remote id is known"
-DELETED = "deleted in the source: the scan does not offer it (there is no delete verb)"
+DELETED = "deleted in the source: the scan does not offer it (the rule's deletes: ignore)"
+NEVER_DELIVERED = "deleted in the source: this rule never delivered it, so nothing is deleted"
+DELETE = "deleted in the source: the copy this rule made is deleted in the target"
+DELETE_REPLAY = (
+    "deleted in the source while its create's outcome is unknown: the create is sent again under its key "
+    "to learn the id, which is then deleted"
+)
+DELETE_FINISH = "a delete of its copy may have been applied unanswered: the delete is sent again"
+CREATE_AFTER_DELETE = (
+    "a delete of its copy may have been applied unanswered: the delete is finished first, then the "
+    "record is created under a new key"
+)
 
 
 class Action(enum.StrEnum):
@@ -53,6 +64,8 @@ class Action(enum.StrEnum):
 
     CREATE = "create"
     UPDATE = "update"
+    #: Deleted in the target (the record was deleted in the source, and the rule made the copy).
+    DELETE = "delete"
     #: Considered and not written: the row would become `suppressed`.
     SUPPRESS = "suppress"
     #: Not offered at all (parked, deleted, or a failed row the drain retries later): the row stays.
@@ -163,8 +176,9 @@ class Preview:
 
     @property
     def tally(self) -> str:
-        """The counts in a line: `3 create, 1 update, 0 suppress, 2 skip`."""
-        return ", ".join(f"{n} {action}" for action, n in self.counts.items())
+        """The counts in a line: `3 create, 1 update, 0 suppress, 2 skip` (deletes named only when
+        there are some: most rules never delete)."""
+        return ", ".join(f"{n} {action}" for action, n in self.counts.items() if n or action != Action.DELETE)
 
     @property
     def shown(self) -> str:
@@ -268,7 +282,7 @@ def _hold(conn: sa.Connection, rule: Rule, writer_type: type[Writer] | None, now
         )
     if writer_type is None:
         return Hold("missing_writer", str(MissingWriter(rule.name, rule.target.driver)))
-    lacking = sorted(rule.policy.verbs - verbs_of(writer_type))
+    lacking = sorted(rule.verbs - verbs_of(writer_type))
     if lacking:
         return Hold(
             "missing_verb",
@@ -304,7 +318,7 @@ def _decide(step: RecordStep, verbs: frozenset[Verb] | None, candidate: Candidat
         if row is not None and row.status.is_terminal:
             return Action.SKIP, f"parked: {row.status.value}; only a requeue puts it back"
         if candidate.record.deleted:
-            return Action.SKIP, DELETED
+            return Action.SKIP, NEVER_DELIVERED if step.rule.deletes is DeletePolicy.PROPAGATE else DELETED
         if row is not None and row.status is LedgerStatus.FAILED:
             when = row.next_attempt_at.isoformat(timespec="seconds") if row.next_attempt_at else "-"
             return Action.SKIP, f"failed, not due yet: the drain retries it from {when}"
@@ -312,7 +326,16 @@ def _decide(step: RecordStep, verbs: frozenset[Verb] | None, candidate: Candidat
     plan = step.plan(candidate)
     if not isinstance(plan, Send):
         return Action.SUPPRESS, plan.last_error or "suppressed"
-    if plan.verb is Verb.CREATE:
+    if plan.verb is Verb.DELETE:
+        if plan.replay_create:
+            reason = DELETE_REPLAY
+        elif candidate.record.deleted:
+            reason = DELETE
+        else:
+            reason = DELETE_FINISH
+    elif plan.delete_first:
+        reason = CREATE_AFTER_DELETE
+    elif plan.verb is Verb.CREATE:
         reason = NEW_RECORD if row is None else NO_REMOTE_ID
         if plan.follow_up:
             updates = verbs is None or Verb.UPDATE in verbs

@@ -75,7 +75,7 @@ def misconfigured(rule: Rule) -> bool:
     chain would fail at once (ADR-0029), and it must, on every tick, idle or not, so that a broken
     route never looks like a route with nothing to deliver. A registry lookup, no I/O."""
     writer = find_writer(rule.target.driver)
-    return writer is None or not rule.policy.verbs <= verbs_of(writer)
+    return writer is None or not rule.verbs <= verbs_of(writer)
 
 
 def has_work(conn: sa.Connection, rule: Rule, now: datetime) -> bool:

@@ -62,7 +62,8 @@ def _table(result: Preview) -> list[dict[str, Any]]:
 def describe(result: Preview) -> str:
     """The artifact's description: the opening line, the counts per action and what they cover."""
     opening = result.hold.line if result.hold else f"the chain would start now (target `{result.target}`)"
-    counts = " · ".join(f"{action}: **{n}**" for action, n in result.counts.items())
+    # Deletes named only when there are some, as the terminal's tally does: most rules never delete.
+    counts = " · ".join(f"{action}: **{n}**" for action, n in result.counts.items() if n or action != "delete")
     return (
         f"**{result.rule}** at {result.at.isoformat(timespec='seconds')}: {opening}  \n"
         f"{counts}  \n"
@@ -86,7 +87,7 @@ async def _label_run(rule: str, target: str) -> None:
 @flow(name="delivery-preview", flow_run_name="preview {rule}", retries=0, log_prints=False)
 async def delivery_preview(rule: str, limit: Limit = DEFAULT_LIMIT) -> State[Any]:
     """What the next chain of a rule would do now: the due retries, then the scan's first changes,
-    each as create, update, suppress or skip, and why. Nothing is sent and nothing is written.
+    each as create, update, delete, suppress or skip, and why. Nothing is sent and nothing is written.
 
     Args:
         rule: The delivery rule to preview (its name, as delivery rules lists it).

@@ -43,6 +43,9 @@ __all__ = ["Answer", "AnswerKind", "RecordedRequest", "TargetServer"]
 API_PREFIX = "/api"
 #: The last path segment of the batch endpoints: ``/api/{collection}/batch``.
 BATCH_SEGMENT = "batch"
+#: `POST /api/{collection}/batch-delete` deletes its items (`{"items": [{"id": ...}]}`); its batch
+#: calls are recorded, and scripted (`program_batch(method="DELETE")`), as method DELETE.
+BATCH_DELETE_SEGMENT = "batch-delete"
 
 AnswerKind = Literal["status", "timeout", "no_id", "not_json", "drop", "echo_headers", "bad_gzip", "raw"]
 
@@ -458,6 +461,8 @@ class TargetServer:
 
         if collection is not None and remote_id == BATCH_SEGMENT and method in ("POST", "PATCH"):
             return self._dispatch_batch(method, path, headers, body, body_error, collection)
+        if collection is not None and remote_id == BATCH_DELETE_SEGMENT and method == "POST":
+            return self._dispatch_batch("DELETE", path, headers, body, body_error, collection)
 
         key = self._record_key(method, headers, body, remote_id)
         header_dict = {name.lower(): value for name, value in headers.items()}
@@ -579,6 +584,13 @@ class TargetServer:
 
     def _batch_default(self, method: str, collection: str, item: Any) -> tuple[int, dict[str, Any]]:
         """What the single endpoint would answer for this item: its status and body."""
+        if method == "DELETE":
+            remote_id = item.get("id") if isinstance(item, dict) else None
+            if not isinstance(remote_id, str):
+                return 400, {"error": "item needs a string 'id'"}
+            with self._lock:
+                gone = self._collections.setdefault(collection, {}).pop(remote_id, None)
+            return (404, {"error": "not found"}) if gone is None else (200, {"id": remote_id})
         record = item.get("record") if isinstance(item, dict) else None
         if not isinstance(record, dict):
             return 400, {"error": "item must be an object with a 'record' object"}
@@ -607,7 +619,7 @@ class TargetServer:
             return str(explicit)
         if method == "POST" and isinstance(body, dict) and body.get("email") is not None:
             return str(body["email"])
-        if method == "PATCH" and remote_id is not None:
+        if method in ("PATCH", "DELETE") and remote_id is not None:
             return remote_id
         return None
 

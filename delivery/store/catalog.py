@@ -21,6 +21,7 @@ from delivery.domain import (
     ConnectionSpec,
     ConnectionStatus,
     Cursor,
+    DeletePolicy,
     Forbidden,
     Nulls,
     Policy,
@@ -61,19 +62,21 @@ def connection_from_row(row: Any) -> Connection:
         else RateLimit(row.rate_per_second, row.rate_per_day),
         max_pause_seconds=row.max_pause_seconds,
         batch=None
-        if row.batch_create_path is None and row.batch_update_path is None
+        if row.batch_create_path is None and row.batch_update_path is None and row.batch_delete_path is None
         else BatchEndpoints(
             row.batch_create_path,
             row.batch_update_path,
             row.batch_max_items or 100,
             _batch_shape((row.requests or {}).get("batch_create")),
             _batch_shape((row.requests or {}).get("batch_update")),
+            row.batch_delete_path,
+            _batch_shape((row.requests or {}).get("batch_delete")),
         ),
         headers=tuple(sorted((row.headers or {}).items())),
         requests=tuple(
             (verb, RequestShape(shape["method"], shape["path"], shape.get("body", "{{ fields }}"), shape.get("id_at")))
             for verb, shape in sorted((row.requests or {}).items())
-            if verb in ("create", "update")
+            if verb in ("create", "update", "delete")
         ),
         auth=None
         if not row.auth
@@ -112,6 +115,8 @@ def _rule_from_row(row: Any, by_id: dict[int, Connection]) -> Rule:
         concurrency=row.concurrency,
         key_epoch=row.key_epoch,
         nulls=Nulls(row.nulls),
+        deletes=DeletePolicy(row.deletes),
+        max_deletes_per_chain=row.max_deletes_per_chain,
     )
 
 
@@ -211,11 +216,11 @@ def saved_rules(conn: sa.Connection) -> list[SavedRule]:
     """Every saved rule, as much of it as the save-time checks read."""
     target = connections_table.alias("target")
     rows = conn.execute(
-        sa.select(rules_table.c.name, target.c.name.label("target"), rules_table.c.policy).join(
+        sa.select(rules_table.c.name, target.c.name.label("target"), rules_table.c.policy, rules_table.c.deletes).join(
             target, target.c.id == rules_table.c.target_id
         )
     )
-    return [SavedRule(row.name, row.target, Policy(row.policy)) for row in rows]
+    return [SavedRule(row.name, row.target, Policy(row.policy), DeletePolicy(row.deletes)) for row in rows]
 
 
 def _route_text(names: dict[int, str], source_id: int, domain: str, target_id: int) -> str:
@@ -346,6 +351,7 @@ def save_config(
             "max_pause_seconds": c.max_pause_seconds,
             "batch_create_path": c.batch.create_path if c.batch else None,
             "batch_update_path": c.batch.update_path if c.batch else None,
+            "batch_delete_path": c.batch.delete_path if c.batch else None,
             "batch_max_items": c.batch.max_items if c.batch else None,
             "headers": dict(c.headers) or None,
             "requests": {
@@ -358,6 +364,7 @@ def save_config(
                     for verb, shape in (
                         ("create", c.batch.create_shape if c.batch else None),
                         ("update", c.batch.update_shape if c.batch else None),
+                        ("delete", c.batch.delete_shape if c.batch else None),
                     )
                     if shape is not None
                 },
@@ -392,6 +399,8 @@ def save_config(
             "enabled": r.enabled,
             "concurrency": r.concurrency,
             "nulls": r.nulls.value,
+            "deletes": r.deletes.value,
+            "max_deletes_per_chain": r.max_deletes_per_chain,
         }
         rule_id, before = _upsert(conn, rules_table, "rule", r.name, values, report)
         if before is not None and _route_of(before) != _route_of(values):

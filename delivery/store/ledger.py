@@ -10,7 +10,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from delivery.domain import Candidate, Cursor, LedgerRow, LedgerStatus, MirrorRecord, Outcome, Rule
+from delivery.domain import Candidate, Cursor, DeletePolicy, LedgerRow, LedgerStatus, MirrorRecord, Outcome, Rule
 from delivery.errors import LedgerRowConflict
 from delivery.store.tables import ledger_table, mirror_records_table, rules_table
 
@@ -19,7 +19,7 @@ _M = [c.label(f"m_{c.name}") for c in mirror_records_table.c]
 #: The ledger columns whose `LedgerRow` field is named otherwise (the columns keep their first names).
 _COLUMN_OF = {"delivered_digest": "fingerprint", "create_digest": "create_fingerprint"}
 #: Rows the scan offers again once their record's change signal moves.
-_REOFFERED = (LedgerStatus.DELIVERED.value, LedgerStatus.SUPPRESSED.value)
+_REOFFERED = (LedgerStatus.DELIVERED.value, LedgerStatus.SUPPRESSED.value, LedgerStatus.DELETED.value)
 
 
 def _candidate(row: Any) -> Candidate:
@@ -49,6 +49,7 @@ def _candidate(row: Any) -> Candidate:
             version=row.l_version,
             create_digest=row.l_create_fingerprint,
             in_doubt=row.l_in_doubt,
+            deleting=row.l_deleting,
         )
     return Candidate(record, row_ledger)
 
@@ -75,21 +76,24 @@ def changes_query(rule: Rule, after: Cursor | None, limit: int, *where: sa.Colum
 
 def scan_page(conn: sa.Connection, rule: Rule, after: Cursor | None, limit: int) -> list[Candidate]:
     """The rule's changes after `after` in (changed_at, id) order, skipping what the ledger already
-    settled at this change signal, terminal rows and failed rows (the drain owns those)."""
+    settled at this change signal, terminal rows and failed rows (the drain owns those). A record
+    deleted in the source is offered only to a rule that propagates deletes, and only where its
+    row holds a remote id (this rule delivered it): nothing else is ever deleted."""
     m, lg = mirror_records_table, ledger_table
-    query = changes_query(
-        rule,
-        after,
-        limit,
-        m.c.deleted.is_(False),
-        sa.or_(
-            lg.c.id.is_(None),
-            sa.and_(
-                lg.c.status.in_(_REOFFERED),
-                sa.or_(lg.c.settled_changed_at.is_(None), lg.c.settled_changed_at != m.c.changed_at),
-            ),
-        ),
+    unsettled = sa.and_(
+        lg.c.status.in_(_REOFFERED),
+        sa.or_(lg.c.settled_changed_at.is_(None), lg.c.settled_changed_at != m.c.changed_at),
     )
+    if rule.deletes is DeletePolicy.PROPAGATE:
+        where: tuple[sa.ColumnElement[bool], ...] = (
+            sa.or_(
+                sa.and_(m.c.deleted.is_(False), sa.or_(lg.c.id.is_(None), unsettled)),
+                sa.and_(m.c.deleted.is_(True), lg.c.remote_id.is_not(None), unsettled),
+            ),
+        )
+    else:
+        where = (m.c.deleted.is_(False), sa.or_(lg.c.id.is_(None), unsettled))
+    query = changes_query(rule, after, limit, *where)
     return [_candidate(row) for row in conn.execute(query)]
 
 
@@ -244,20 +248,33 @@ def record_update_intents(conn: sa.Connection, rows: Sequence[LedgerRow]) -> lis
     target applied unanswered must not make a later revert look identical to what it holds). One
     statement for all of them. Returns each row as it now stands, or None where its version moved
     since the page was read (a requeue's row now). A row already in doubt is left as it is."""
-    marking = [row for row in rows if not row.in_doubt]
+    return _mark(conn, rows, "in_doubt")
+
+
+def record_delete_intents(conn: sa.Connection, rows: Sequence[LedgerRow]) -> list[LedgerRow | None]:
+    """Before deletes go out: mark each row `deleting`, so a crash, a timeout or a cut between the
+    send and the settle leaves a row whose next offer finishes the delete first (a record restored
+    meanwhile is then created again, never updated at an id the target may have dropped). As
+    `record_update_intents` otherwise."""
+    return _mark(conn, rows, "deleting")
+
+
+def _mark(conn: sa.Connection, rows: Sequence[LedgerRow], flag: str) -> list[LedgerRow | None]:
+    """Set the boolean `flag` (a `LedgerRow` field and its column) on each row, in one statement."""
+    marking = [row for row in rows if not getattr(row, flag)]
     written: set[int] = set()
     if marking:
         result = conn.execute(
             ledger_table.update()
             .where(sa.tuple_(ledger_table.c.id, ledger_table.c.version).in_([(row.id, row.version) for row in marking]))
-            .values(in_doubt=True, version=ledger_table.c.version + 1)
+            .values({flag: True, "version": ledger_table.c.version + 1})
             .returning(ledger_table.c.id)
         )
         written = {row_id for (row_id,) in result}
     return [
         row
-        if row.in_doubt
-        else (dataclasses.replace(row, version=row.version + 1, in_doubt=True) if row.id in written else None)
+        if getattr(row, flag)
+        else (dataclasses.replace(row, version=row.version + 1, **{flag: True}) if row.id in written else None)  # type: ignore[arg-type]
         for row in rows
     ]
 
@@ -277,6 +294,7 @@ def withdraw_intent(conn: sa.Connection, before: LedgerRow | None, intent: Ledge
                 "version": intent.version + 1,
                 "create_fingerprint": before.create_digest,
                 "in_doubt": before.in_doubt,
+                "deleting": before.deleting,
             },
         )
 
@@ -310,16 +328,18 @@ def settle_many(
         except IntegrityError as exc:
             raise LedgerRowConflict(rule.name, inserts[0][0].record.external_id) from exc
     written: dict[int, bool] = {}
-    if len(updates) > 1:
+    # One executemany needs one set of columns: a row whose key moved on (a delete) writes one more.
+    together = [(c, o) for c, o in updates if not o.key_renewed]
+    if len(together) > 1:
         params = []
-        for c, o in updates:
+        for c, o in together:
             assert c.ledger is not None
             versions = {"row_id": c.ledger.id, "read_version": c.ledger.version, "version": c.ledger.version + 1}
             params.append({**versions, **_settled_values(c, o, now)})
         savepoint = conn.begin_nested()
-        if conn.execute(_UPDATE, params).rowcount == len(updates):
+        if conn.execute(_UPDATE, params).rowcount == len(together):
             savepoint.commit()
-            written = {id(c): True for c, _ in updates}
+            written = {id(c): True for c, _ in together}
         else:
             savepoint.rollback()
     for c, o in updates:
@@ -329,7 +349,9 @@ def settle_many(
 
 
 def _settled_values(candidate: Candidate, outcome: Outcome, now: datetime) -> dict[str, Any]:
+    renewed = {"create_fingerprint": None} if outcome.key_renewed else {}
     return {
+        **renewed,
         "status": outcome.status.value,
         "remote_id": outcome.remote_id,
         "attempts": outcome.attempts,
@@ -339,6 +361,7 @@ def _settled_values(candidate: Candidate, outcome: Outcome, now: datetime) -> di
         "fingerprint": outcome.delivered_digest,
         "create_generation": outcome.create_generation,
         "in_doubt": outcome.in_doubt,
+        "deleting": outcome.deleting,
         "updated_at": now,
     }
 
@@ -393,6 +416,7 @@ def ledger_rows(
             ledger_table.c.next_attempt_at,
             ledger_table.c.last_error,
             ledger_table.c.in_doubt,
+            ledger_table.c.deleting,
             ledger_table.c.updated_at,
         )
         .select_from(

@@ -71,6 +71,7 @@ connections_table = sa.Table(
     sa.Column("max_pause_seconds", sa.Float, nullable=False, server_default="900"),
     sa.Column("batch_create_path", sa.String(500)),
     sa.Column("batch_update_path", sa.String(500)),
+    sa.Column("batch_delete_path", sa.String(500)),
     sa.Column("batch_max_items", sa.Integer),
     # As a target described in configuration: headers for every request, each verb's request
     # (method, path and body templates), how it authenticates (kinds and secret sources, never a value).
@@ -124,6 +125,9 @@ rules_table = sa.Table(
     sa.Column("key_epoch", sa.Integer, nullable=False, server_default="0"),
     # A mapped field whose value is null: `send` it (clearing the target's value) or `skip` it.
     sa.Column("nulls", sa.String(10), nullable=False, server_default="send"),
+    # What a record deleted in the source does (`ignore`, `propagate`), and the chain's guard.
+    sa.Column("deletes", sa.String(20), nullable=False, server_default="ignore"),
+    sa.Column("max_deletes_per_chain", sa.Integer, nullable=False, server_default="100"),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
 )
@@ -153,6 +157,8 @@ ledger_table = sa.Table(
     # timeout, a dropped connection, a cut or a crash between send and settle): what the target
     # holds is unknown, so the next offer is sent whatever its body. Set before the write goes out.
     sa.Column("in_doubt", sa.Boolean, nullable=False, server_default=sa.false()),
+    # A delete of remote_id went out, its answer not recorded (see LedgerRow.deleting).
+    sa.Column("deleting", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
     sa.UniqueConstraint("rule_id", "record_id"),

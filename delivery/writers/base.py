@@ -2,8 +2,8 @@
 target without create or without update is an ordinary target, not a broken one. Capabilities
 are ABC mixins, checked with `issubclass`/`isinstance` at save time and at write time.
 
-A verb comes in two forms: one record per call (`Creates`, `Updates`) and many records per call
-(`CreatesMany`, `UpdatesMany`, the batch verbs). A writer offers a verb if it offers either form
+A verb comes in two forms: one record per call (`Creates`, `Updates`, `Deletes`) and many records
+per call (`CreatesMany`, `UpdatesMany`, `DeletesMany`, the batch verbs). A writer offers a verb if it offers either form
 (`verbs_of`); `batch_verbs_of` says which verbs it offers in batch form. A driver whose batch verbs
 depend on its connection (the `rest` family sends batches only where the connection names a batch
 path) says so in `Writer.for_batch`, which returns the type that writes to that connection.
@@ -97,6 +97,14 @@ class Updates(ABC):
         writer cannot encode raises `UnsendablePayload` before anything is sent."""
 
 
+class Deletes(ABC):
+    @abstractmethod
+    def delete(self, remote_id: str) -> None:
+        """Delete the record the target knows as `remote_id`. Raises a `RecordFault`: `RemoteGone`
+        when the target answers that it holds no such record (404/410), which the engine takes as
+        done. A delete is idempotent: one whose answer was never seen is sent again."""
+
+
 class _AsyncVerbs(ABC):
     """What both async verbs share: the job's event loop opens and closes the writer's async side."""
 
@@ -121,9 +129,15 @@ class UpdatesAsync(_AsyncVerbs):
         """`Updates.update` as a coroutine: the same faults; it may be cancelled as `acreate`."""
 
 
+class DeletesAsync(_AsyncVerbs):
+    @abstractmethod
+    async def adelete(self, remote_id: str) -> None:
+        """`Deletes.delete` as a coroutine: the same faults; it may be cancelled as `acreate`."""
+
+
 def async_verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
-    """The verbs the type offers as coroutines (`CreatesAsync`, `UpdatesAsync`)."""
-    return _offered(writer_type, CreatesAsync, UpdatesAsync)
+    """The verbs the type offers as coroutines (`CreatesAsync`, `UpdatesAsync`, `DeletesAsync`)."""
+    return _offered(writer_type, CreatesAsync, UpdatesAsync, DeletesAsync)
 
 
 def offers_async(writer: Writer) -> bool:
@@ -157,10 +171,19 @@ class UpdateItem:
     record: MirrorRecord | None = None
 
 
+@dataclass(frozen=True)
+class DeleteItem:
+    """One record of a `delete_many` call: the id the target knows it by."""
+
+    remote_id: str
+    record: MirrorRecord | None = None
+
+
 #: One create item's result: the target's id for the record, or the fault that item met.
 CreateResult: TypeAlias = str | RecordFault
-#: One update item's result: None when it was applied, or the fault that item met.
+#: One update (or delete) item's result: None when it was applied, or the fault that item met.
 UpdateResult: TypeAlias = RecordFault | None
+DeleteResult: TypeAlias = RecordFault | None
 #: Any item's result.
 ItemResult: TypeAlias = str | RecordFault | None
 
@@ -215,6 +238,14 @@ class UpdatesMany(_Batches):
         as `create_many` for the others). Raises for the whole call as `create_many` does."""
 
 
+class DeletesMany(_Batches):
+    @abstractmethod
+    def delete_many(self, items: Sequence[DeleteItem]) -> list[DeleteResult]:
+        """Delete the records in one call. Returns one result per item, in item order: None when
+        it was deleted, or the `RecordFault` it met (`RemoteGone` for an item answered 404/410,
+        which the engine takes as done). Raises for the whole call as `create_many` does."""
+
+
 def accepts_concurrency(writer_type: type[Writer]) -> bool:
     """Whether the writer's constructor takes the `concurrency` keyword (or any keyword): a
     third-party writer written before it existed is still built, without it."""
@@ -222,11 +253,11 @@ def accepts_concurrency(writer_type: type[Writer]) -> bool:
     return any(p.name == "concurrency" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
-def _offered(writer_type: type[Writer], creates: type, updates: type) -> frozenset[Verb]:
-    """CREATE if the type is a `creates`, UPDATE if it is an `updates` (one of the pairs above)."""
-    return frozenset(
-        verb for verb, kind in ((Verb.CREATE, creates), (Verb.UPDATE, updates)) if issubclass(writer_type, kind)
-    )
+def _offered(writer_type: type[Writer], creates: type, updates: type, deletes: type) -> frozenset[Verb]:
+    """CREATE if the type is a `creates`, UPDATE if an `updates`, DELETE if a `deletes` (one of the
+    forms above)."""
+    kinds = ((Verb.CREATE, creates), (Verb.UPDATE, updates), (Verb.DELETE, deletes))
+    return frozenset(verb for verb, kind in kinds if issubclass(writer_type, kind))
 
 
 def verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
@@ -236,14 +267,15 @@ def verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
 
 
 def single_verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
-    """The verbs the type offers one record per call (`Creates`, `Updates`)."""
-    return _offered(writer_type, Creates, Updates)
+    """The verbs the type offers one record per call (`Creates`, `Updates`, `Deletes`)."""
+    return _offered(writer_type, Creates, Updates, Deletes)
 
 
 def batch_verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
-    """The verbs the type offers many records per call (`CreatesMany`, `UpdatesMany`). For a
-    driver whose batch verbs depend on its connection, ask the type `for_batch` returns."""
-    return _offered(writer_type, CreatesMany, UpdatesMany)
+    """The verbs the type offers many records per call (`CreatesMany`, `UpdatesMany`,
+    `DeletesMany`). For a driver whose batch verbs depend on its connection, ask the type
+    `for_batch` returns."""
+    return _offered(writer_type, CreatesMany, UpdatesMany, DeletesMany)
 
 
 #: Reads a Prefect Secret block by name: its value, or None when there is no such block or it

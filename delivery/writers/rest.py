@@ -72,6 +72,11 @@ from delivery.writers.base import (
     Creates,
     CreatesAsync,
     CreatesMany,
+    DeleteItem,
+    DeleteResult,
+    Deletes,
+    DeletesAsync,
+    DeletesMany,
     ItemResult,
     UpdateItem,
     UpdateResult,
@@ -165,7 +170,11 @@ class _RestWriter(Writer):
         super().__init__(target, collection, token=token, concurrency=concurrency)
         if not target.base_url:
             raise ValueError(f"connection {target.name!r} has no base_url")
-        for capability, path in ((CreatesMany, "create_path"), (UpdatesMany, "update_path")):
+        for capability, path in (
+            (CreatesMany, "create_path"),
+            (UpdatesMany, "update_path"),
+            (DeletesMany, "delete_path"),
+        ):
             if isinstance(self, capability) and getattr(target.batch, path, None) is None:
                 # The type claims a batch verb the connection gives no endpoint for.
                 raise ValueError(f"connection {target.name!r} has no batch.{path}; build its writer with for_batch")
@@ -228,13 +237,15 @@ class _RestWriter(Writer):
 
     @classmethod
     def for_batch(cls, batch: BatchEndpoints | None) -> type[Writer]:
-        """This type with `CreatesMany` where `batch` names a create path and the type creates, and
-        `UpdatesMany` where it names an update path and the type updates (a batch path for a verb
-        the type lacks adds nothing: the save-time check refuses it)."""
+        """This type with `CreatesMany` where `batch` names a create path and the type creates,
+        `UpdatesMany` where it names an update path and the type updates, and `DeletesMany` where
+        it names a delete path and the type deletes (a batch path for a verb the type lacks adds
+        nothing: the save-time check refuses it)."""
         plain: type[_RestWriter] = cls.__dict__.get("_plain", cls)
         create = batch is not None and batch.create_path is not None and issubclass(plain, Creates)
         update = batch is not None and batch.update_path is not None and issubclass(plain, Updates)
-        return _batching(plain, create, update)
+        delete = batch is not None and batch.delete_path is not None and issubclass(plain, Deletes)
+        return _batching(plain, create, update, delete)
 
     def close(self) -> None:
         self._client.close()
@@ -256,23 +267,25 @@ class _RestWriter(Writer):
         if pools is not None:
             await pools.aclose()
 
-    def _encode(self, method: str, path: str, body: Mapping[str, Any]) -> bytes:
+    def _encode(self, method: str, path: str, body: Mapping[str, Any] | None) -> bytes:
+        if body is None:
+            return b""  # a request without a body (a delete's, by default)
         try:
             return encode_body(body)
         except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
             # Refused before sending: the target never saw it, so the breaker must not count it.
             raise UnsendablePayload(self._clean(f"{method} {path}: body cannot be encoded as JSON: {exc}")) from exc
 
-    def _send(self, method: str, path: str, body: Mapping[str, Any], headers: dict[str, str]) -> _Answer:
+    def _send(self, method: str, path: str, body: Mapping[str, Any] | None, headers: dict[str, str]) -> _Answer:
         return self._send_content(method, path, self._encode(method, path, body), headers)
 
-    async def _asend(self, method: str, path: str, body: Mapping[str, Any], headers: dict[str, str]) -> _Answer:
+    async def _asend(self, method: str, path: str, body: Mapping[str, Any] | None, headers: dict[str, str]) -> _Answer:
         content = self._encode(method, path, body)
         pools = self._apools
         if pools is None:
             raise RuntimeError("an async verb before aopen(): the job opens the writer on its loop")
         async with pools.lend() as client:
-            request = client.build_request(method, path, content=content, headers=self._headers(headers))
+            request = client.build_request(method, path, content=content, headers=self._headers(headers, content))
             with self._transport_faults(method, path):
                 # Streamed so that a body httpx cannot decode still leaves us the status code to judge by.
                 response = await client.send(request, stream=True)
@@ -285,7 +298,7 @@ class _RestWriter(Writer):
         return _Answer(response)
 
     def _send_content(self, method: str, path: str, content: bytes, headers: dict[str, str]) -> _Answer:
-        request = self._client.build_request(method, path, content=content, headers=self._headers(headers))
+        request = self._client.build_request(method, path, content=content, headers=self._headers(headers, content))
         with self._transport_faults(method, path):
             # Streamed so that a body httpx cannot decode still leaves us the status code to judge by.
             response = self._client.send(request, stream=True)
@@ -298,8 +311,9 @@ class _RestWriter(Writer):
         return _Answer(response)
 
     @staticmethod
-    def _headers(headers: dict[str, str]) -> dict[str, str]:
-        return {**headers, "Content-Type": "application/json"}
+    def _headers(headers: dict[str, str], content: bytes = b"{}") -> dict[str, str]:
+        # A request without a body says nothing of a type: some APIs refuse a typed empty body.
+        return {**headers, "Content-Type": "application/json"} if content else dict(headers)
 
     def _undecodable(self, response: httpx.Response, exc: httpx.DecodingError) -> _Answer:
         return _Answer(response, undecodable=self._clean(str(exc)) or type(exc).__name__)
@@ -366,6 +380,8 @@ class _RestWriter(Writer):
         if compiled is None:
             if verb == "create":
                 return "POST", self.collection, body
+            if verb == "delete":
+                return "DELETE", f"{self.collection}/{_segment(values['remote_id'])}", None
             return "PATCH", f"{self.collection}/{_segment(values['remote_id'])}", body
         context = self._item_values(body, record, **values)
         try:
@@ -417,9 +433,22 @@ class _RestWriter(Writer):
         self._updated(method, path, await self._asend(method, path, content, {}))
 
     def _updated(self, method: str, path: str, answer: _Answer) -> None:
-        # A 2xx whose body cannot be decoded is still a success: an update needs nothing from it.
+        # A 2xx whose body cannot be decoded is still a success: an update (or a delete) needs
+        # nothing from it. A 404/410 is `RemoteGone`: for a delete, done already.
         if not answer.is_success:
             raise self._refuse(method, path, answer, gone_on_404=True)
+
+    def _delete(
+        self, remote_id: str, record: MirrorRecord | None = None, body: Mapping[str, Any] | None = None
+    ) -> None:
+        method, path, content = self._request("delete", body or {}, record, remote_id=remote_id)
+        self._updated(method, path, self._send(method, path, content, {}))
+
+    async def _adelete(
+        self, remote_id: str, record: MirrorRecord | None = None, body: Mapping[str, Any] | None = None
+    ) -> None:
+        method, path, content = self._request("delete", body or {}, record, remote_id=remote_id)
+        self._updated(method, path, await self._asend(method, path, content, {}))
 
     # -- batch verbs -----------------------------------------------------------------------------
 
@@ -441,6 +470,15 @@ class _RestWriter(Writer):
         entries = [{"id": item.remote_id, "record": dict(item.body)} for item in items]
         return cast("list[UpdateResult]", self._many("PATCH", path, entries, creating=False))
 
+    def _delete_many(self, items: Sequence[DeleteItem]) -> list[DeleteResult]:
+        shape = self.target.batch.delete_shape if self.target.batch else None
+        if shape is not None:
+            values = [self._item_values({}, item.record, remote_id=item.remote_id) for item in items]
+            return cast("list[DeleteResult]", self._shaped_many(shape, values, creating=False, deleting=True))
+        path = self._batch_path("delete_path")
+        entries = [{"id": item.remote_id} for item in items]
+        return cast("list[DeleteResult]", self._many("POST", path, entries, creating=False, deleting=True))
+
     def _item_values(self, body: Mapping[str, Any], record: MirrorRecord | None, **values: Any) -> dict[str, Any]:
         """What a template of one record's request (or batch item) is rendered with."""
         return {
@@ -451,13 +489,17 @@ class _RestWriter(Writer):
             **values,
         }
 
-    def _shaped_many(self, shape: BatchShape, values: list[dict[str, Any]], *, creating: bool) -> list[ItemResult]:
-        """One batch call described by `shape` (`batch.create`, `batch.update`): each item rendered
-        from its template (one lacking a value is that record's refusal, left out), the body from
-        its template with the items in it, and the results read where the shape says, matched to
-        their items by `match` (or in order). An item no result speaks for, in a 2xx answer, is
-        judged as a result list that does not fit: a create `Unaddressable` (it may exist, and
-        nothing says which id is its), an update `AnswerSaysNothing` (in doubt, sent again)."""
+    def _shaped_many(
+        self, shape: BatchShape, values: list[dict[str, Any]], *, creating: bool, deleting: bool = False
+    ) -> list[ItemResult]:
+        """One batch call described by `shape` (`batch.create`, `batch.update`, `batch.delete`):
+        each item rendered from its template (one lacking a value is that record's refusal, left
+        out), the body from its template with the items in it, and the results read where the
+        shape says, matched to their items by `match` (or in order). An item no result speaks for,
+        in a 2xx answer, is judged as a result list that does not fit: a create `Unaddressable` (it
+        may exist, and nothing says which id is its), an update or a delete `AnswerSaysNothing` (in
+        doubt, sent again). A delete answered 2xx with no result list at all (HubSpot's batch
+        archive answers 204) deleted every item."""
         count = len(values)
         results: list[ItemResult] = [None] * count
         rendered: list[tuple[int, Any]] = []
@@ -482,6 +524,8 @@ class _RestWriter(Writer):
                 rendered = self._encodable(shape, rendered, results, count)
         answer = self._send_content(method, path, content, {})
         found = self._shaped_results(method, path, answer, shape)
+        if deleting and isinstance(found, str):
+            return results  # every item sent was deleted (see above); None is "applied"
         for position, (index, item) in enumerate(rendered):
             where = f"{method} {path} (item {index + 1} of {count})"
             if isinstance(found, str):
@@ -563,10 +607,13 @@ class _RestWriter(Writer):
             raise ValueError(f"connection {self.target.name!r} has no batch.{name}")
         return str(path)
 
-    def _many(self, method: str, path: str, entries: list[dict[str, Any]], *, creating: bool) -> list[ItemResult]:
+    def _many(
+        self, method: str, path: str, entries: list[dict[str, Any]], *, creating: bool, deleting: bool = False
+    ) -> list[ItemResult]:
         """One batch call for `entries` (each item as the wire carries it): one result per entry,
         in order. An entry JSON cannot carry is that item's `UnsendablePayload`, left out of the
-        call; when every entry is, nothing is sent."""
+        call; when every entry is, nothing is sent. A delete answered 2xx without a result list
+        deleted every item."""
         limit: int = getattr(self, "max_items", DEFAULT_MAX_ITEMS)  # the batch mixins' (CreatesMany...)
         if len(entries) > limit:
             raise ValueError(f"{method} {path}: {len(entries)} items, more than the {limit} one call may carry")
@@ -586,6 +633,8 @@ class _RestWriter(Writer):
             return results
         answer = self._send_content(method, path, b'{"items":[' + b",".join(encoded) + b"]}", {})
         read = self._results(method, path, answer, len(sent))
+        if deleting and isinstance(read, str):
+            return results
         for position, index in enumerate(sent):
             where = f"{method} {path} (item {index + 1} of {count})"
             if isinstance(read, str):
@@ -677,6 +726,13 @@ class _RestUpdatesMany(_RestWriter, UpdatesMany):
         return self._update_many(items)
 
 
+class _RestDeletesMany(_RestWriter, DeletesMany):
+    """The batch delete of the `rest` family (mixed in by `for_batch`)."""
+
+    def delete_many(self, items: Sequence[DeleteItem]) -> list[DeleteResult]:
+        return self._delete_many(items)
+
+
 @functools.cache
 def tls_context() -> ssl.SSLContext:
     """The TLS settings every REST writer of the process shares (httpx's defaults: certifi's CAs,
@@ -686,13 +742,18 @@ def tls_context() -> ssl.SSLContext:
 
 
 @functools.cache
-def _batching(plain: type[_RestWriter], create: bool, update: bool) -> type[_RestWriter]:
+def _batching(plain: type[_RestWriter], create: bool, update: bool, delete: bool = False) -> type[_RestWriter]:
     """`plain` with the batch verbs asked for: one type per combination, made once, so that
     every writer for the same kind of connection has the same type."""
-    mixins = [*([_RestCreatesMany] if create else []), *([_RestUpdatesMany] if update else [])]
+    chosen = [
+        (create, _RestCreatesMany, "CreatesMany"),
+        (update, _RestUpdatesMany, "UpdatesMany"),
+        (delete, _RestDeletesMany, "DeletesMany"),
+    ]
+    mixins = [mixin for wanted, mixin, _ in chosen if wanted]
     if not mixins:
         return plain
-    name = "+".join([plain.__name__, *(["CreatesMany"] if create else []), *(["UpdatesMany"] if update else [])])
+    name = "+".join([plain.__name__, *(verb for wanted, _, verb in chosen if wanted)])
     namespace = {
         "__module__": plain.__module__,
         "__qualname__": name,
@@ -710,8 +771,16 @@ def _segment(remote_id: str) -> str:
     return quote(remote_id, safe="")
 
 
-class RestWriter(_RestWriter, Creates, Updates, CreatesAsync, UpdatesAsync):
-    """`rest`: creates and updates (each also as a coroutine, for the async job)."""
+class RestWriter(_RestWriter, Creates, Updates, Deletes, CreatesAsync, UpdatesAsync, DeletesAsync):
+    """`rest`: creates, updates and deletes (each also as a coroutine, for the async job)."""
+
+    def delete(self, remote_id: str, record: MirrorRecord | None = None, body: Mapping[str, Any] | None = None) -> None:
+        self._delete(remote_id, record, body)
+
+    async def adelete(
+        self, remote_id: str, record: MirrorRecord | None = None, body: Mapping[str, Any] | None = None
+    ) -> None:
+        await self._adelete(remote_id, record, body)
 
     def create(self, body: Mapping[str, Any], idempotency_key: str, record: MirrorRecord | None = None) -> str:
         return self._create(body, idempotency_key, record)

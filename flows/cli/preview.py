@@ -30,7 +30,7 @@ def preview_command(
     as_json: JsonFlag = False,
 ) -> None:
     """What the next chain of RULE would do now, without running it: the due retries (the drain's),
-    then the scan's first changes, each as create, update, suppress or skip, and why.
+    then the scan's first changes, each as create, update, delete, suppress or skip, and why.
 
     Read in one read-only transaction: nothing is sent and nothing is written. The first line says
     when the chain would not start (rule disabled, route closed, breaker open, no writer) or would

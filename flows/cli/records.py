@@ -48,7 +48,8 @@ def show_ledger(
                 # A record's heading names its rule too: ledger rows of several rules are listed together.
                 "record": f"{r['rule']} / {r['external_id']}",
                 # In doubt: a write's answer was never seen, so the next offer is sent whatever its body.
-                "status": r["status"] + (" (in doubt)" if r["in_doubt"] else ""),
+                "status": r["status"]
+                + (" (delete in doubt)" if r["deleting"] else " (in doubt)" if r["in_doubt"] else ""),
                 "remote_id": r["remote_id"] or "-",
                 "attempts": str(r["attempts"]),
                 "next_attempt_at": iso(r["next_attempt_at"]) or "-",

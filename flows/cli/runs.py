@@ -155,7 +155,9 @@ def status_command(as_json: JsonFlag = False) -> None:
         [
             {
                 **standing(r),
-                "delivered": str(r["counts"]["delivered"]),
+                # Deleted copies (a rule propagating deletes) beside the delivered ones: most rules have none.
+                "delivered": str(r["counts"]["delivered"])
+                + (f", {r['counts']['deleted']} deleted" if r["counts"].get("deleted") else ""),
                 "failed (due)": f"{r['counts']['failed']} ({r['due_retries']})",
                 "parked": f"{r['counts']['exhausted']} exhausted, {r['counts']['remote_gone']} gone",
                 "message": last_message(r),

@@ -170,8 +170,8 @@ def test_every_action_and_reason_drain_rows_first(every_case: World) -> None:
     result = preview(every_case.engine, RULE)
     assert result.hold is None
     assert table_of(result) == expected(every_case)
-    assert result.counts == {"create": 3, "update": 2, "suppress": 2, "skip": 4}
-    assert result.counts_of(Phase.DRAIN) == {"create": 2, "update": 1, "suppress": 1, "skip": 0}
+    assert result.counts == {"create": 3, "update": 2, "delete": 0, "suppress": 2, "skip": 4}
+    assert result.counts_of(Phase.DRAIN) == {"create": 2, "update": 1, "delete": 0, "suppress": 1, "skip": 0}
     assert not result.cut
     rows = {row.external_id: row for row in result.rows}
     assert rows["new"].status is None and rows["new"].attempts == 0
@@ -239,7 +239,7 @@ def test_the_limit_bounds_each_phase_and_says_when_it_cut(world: World) -> None:
         ("scan", "n2"),
     ]
     assert cut.drain_cut and cut.scan_cut and cut.cut
-    assert cut.counts == {"create": 4, "update": 0, "suppress": 0, "skip": 0}
+    assert cut.counts == {"create": 4, "update": 0, "delete": 0, "suppress": 0, "skip": 0}
     assert cut.summary == (
         "4 create, 0 update, 0 suppress, 0 skip (of the first 2 due retries, the first 2 changes); "
         "cut off at limit 2: more due retries and more changes follow, not counted"
@@ -247,7 +247,7 @@ def test_the_limit_bounds_each_phase_and_says_when_it_cut(world: World) -> None:
     assert cut.as_json()["drain"] == {
         "shown": 2,
         "cut": True,
-        "counts": {"create": 2, "update": 0, "suppress": 0, "skip": 0},
+        "counts": {"create": 2, "update": 0, "delete": 0, "suppress": 0, "skip": 0},
     }
 
     whole = preview(world.engine, RULE, limit=4)

@@ -99,9 +99,10 @@ LEDGER_KEYS = {
     "next_attempt_at",
     "last_error",
     "in_doubt",
+    "deleting",
     "updated_at",
 }
-STATUSES = ("delivered", "suppressed", "failed", "exhausted", "remote_gone")
+STATUSES = ("delivered", "suppressed", "failed", "exhausted", "remote_gone", "deleted")
 ZERO_COUNTS = dict.fromkeys(STATUSES, 0)
 
 

@@ -132,7 +132,7 @@ class _AsyncCreateOnly(Writer, CreatesAsync):
 
 
 def test_async_verbs_count_as_the_writers_verbs() -> None:
-    assert async_verbs_of(RestWriter) == verbs_of(RestWriter) == {Verb.CREATE, Verb.UPDATE}
+    assert async_verbs_of(RestWriter) == verbs_of(RestWriter) == {Verb.CREATE, Verb.UPDATE, Verb.DELETE}
     assert async_verbs_of(RestCreateOnlyWriter) == {Verb.CREATE}
     assert async_verbs_of(RestUpdateOnlyWriter) == {Verb.UPDATE}
     assert async_verbs_of(_SyncOnly) == frozenset()

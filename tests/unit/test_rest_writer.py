@@ -834,7 +834,7 @@ def test_retry_after_seconds_nan_is_not_a_delay() -> None:
 @pytest.mark.parametrize(
     ("cls", "verbs"),
     [
-        (RestWriter, {Verb.CREATE, Verb.UPDATE}),
+        (RestWriter, {Verb.CREATE, Verb.UPDATE, Verb.DELETE}),
         (RestCreateOnlyWriter, {Verb.CREATE}),
         (RestUpdateOnlyWriter, {Verb.UPDATE}),
     ],
