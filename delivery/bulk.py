@@ -74,8 +74,8 @@ class BulkJob(GroupedJob):
             plan = self.plans[i]
             if not isinstance(plan, Send) or self.intents.get(i) is None:
                 alone.append(i)  # an outcome without writing, or a row a requeue took meanwhile
-            elif plan.replay_create or plan.delete_first:
-                alone.append(i)  # two calls in turn, the second needing the first's answer
+            elif plan.to_delete:
+                alone.append(i)  # its answer's id is kept for a delete, not delivered
             elif plan.verb is Verb.CREATE and not plan.follow_up and isinstance(self.writer, CreatesMany):
                 creates.append(i)
             elif plan.verb is Verb.UPDATE and isinstance(self.writer, UpdatesMany):

@@ -219,14 +219,43 @@ def create_may_have_landed(row: LedgerRow | None) -> bool:
 
 
 def plans_delete(rule: Rule, row: LedgerRow | None, record_deleted: bool) -> bool:
-    """Whether a record's step will send a delete (`delivery.step.RecordStep.plan`): the record is
-    deleted in the source and the rule propagates deletes, where the rule's copy exists or may
-    exist; or a delete of the row's remote id may have been applied already (it is finished)."""
-    if row is not None and row.deleting and row.remote_id:
-        return True
-    if not record_deleted or rule.deletes is not DeletePolicy.PROPAGATE:
+    """Whether a record's step sends a delete (`delivery.step.RecordStep.plan`): the record is
+    deleted in the source, the rule propagates deletes, and its row holds the remote id of the
+    copy this rule made; or a delete of that copy went out unanswered (it is finished first,
+    whatever the source says now)."""
+    if row is None or not row.remote_id:
         return False
-    return bool(row is not None and row.remote_id) or create_may_have_landed(row)
+    return row.deleting or (record_deleted and rule.deletes is DeletePolicy.PROPAGATE)
+
+
+def after_delete(rule: Rule, row: LedgerRow, record_deleted: bool, now: datetime) -> Outcome:
+    """Where a delete answered 2xx or 404/410 puts the row: `deleted`; or, for a record live in
+    the source again (a delete in doubt finished before its restore), failed and due at once under
+    a new key, so the next chain's drain creates it again as a record never delivered."""
+    gone = deleted(row, row.remote_id)
+    if record_deleted or Verb.CREATE not in rule.policy.verbs:
+        return gone
+    return dataclasses.replace(
+        gone,
+        status=LedgerStatus.FAILED,
+        next_attempt_at=now,
+        last_error=f"{gone.last_error} to finish a delete whose answer was never seen; "
+        "the record is live in the source again: the next chain creates it",
+    )
+
+
+def created_to_delete(row: LedgerRow | None, remote_id: str | None, now: datetime) -> Outcome:
+    """A create sent again for a record deleted in the source since (`create_may_have_landed`)
+    was answered with `remote_id`: the row keeps it, failed and due at once, so the next chain's
+    drain deletes that copy (or, the record restored meanwhile, updates it)."""
+    return Outcome(
+        LedgerStatus.FAILED,
+        remote_id=remote_id,
+        next_attempt_at=now,
+        last_error=f"its create was answered with id {remote_id} after the record was deleted in the source; "
+        "the next chain deletes it",
+        create_generation=row.create_generation if row else 0,
+    )
 
 
 def after_fault(

@@ -134,12 +134,10 @@ class JobContext:
         """What the ledger must say before each write goes out, for a window's writes at once: a
         create's key and first body (`ledger.record_create_intents`: new rows in one executemany),
         an update's doubt (`ledger.record_update_intents`), a delete's `deleting`
-        (`ledger.record_delete_intents`), one statement for each kind. A write that finishes what
-        its row says already (a create replayed to learn the id to delete, a create after a delete
-        that may have landed) needs none. Returns each row as it now stands, or None where a
-        requeue took it since the page was read."""
+        (`ledger.record_delete_intents`), one statement for each kind. Returns each row as it now
+        stands, or None where a requeue took it since the page was read."""
         intents: list[LedgerRow | None] = [candidate.ledger for candidate, _ in sends]
-        creates = [i for i, (_, plan) in enumerate(sends) if plan.verb is Verb.CREATE and not plan.delete_first]
+        creates = [i for i, (_, plan) in enumerate(sends) if plan.verb is Verb.CREATE]
         if creates:
             items = [(sends[i][0], sends[i][1].digest, sends[i][1].follow_up) for i in creates]
             made = ledger.record_create_intents(conn, self.rule, items, self.clock())
@@ -149,7 +147,7 @@ class JobContext:
             (Verb.UPDATE, ledger.record_update_intents),
             (Verb.DELETE, ledger.record_delete_intents),
         ):
-            chosen = [i for i, (_, plan) in enumerate(sends) if plan.verb is verb and not plan.replay_create]
+            chosen = [i for i, (_, plan) in enumerate(sends) if plan.verb is verb]
             rows = [sends[i][0].ledger for i in chosen]
             assert all(row is not None for row in rows)  # an update or a delete has a row holding the remote id
             if chosen:

@@ -50,12 +50,11 @@ NEVER_DELIVERED = "deleted in the source: this rule never delivered it, so nothi
 DELETE = "deleted in the source: the copy this rule made is deleted in the target"
 DELETE_REPLAY = (
     "deleted in the source while its create's outcome is unknown: the create is sent again under its key "
-    "to learn the id, which is then deleted"
+    "to learn the id, which the next chain deletes"
 )
-DELETE_FINISH = "a delete of its copy may have been applied unanswered: the delete is sent again"
-CREATE_AFTER_DELETE = (
-    "a delete of its copy may have been applied unanswered: the delete is finished first, then the "
-    "record is created under a new key"
+DELETE_FINISH = (
+    "a delete of its copy may have been applied unanswered: the delete is sent again, and the next chain "
+    "creates the record anew"
 )
 
 
@@ -327,14 +326,9 @@ def _decide(step: RecordStep, verbs: frozenset[Verb] | None, candidate: Candidat
     if not isinstance(plan, Send):
         return Action.SUPPRESS, plan.last_error or "suppressed"
     if plan.verb is Verb.DELETE:
-        if plan.replay_create:
-            reason = DELETE_REPLAY
-        elif candidate.record.deleted:
-            reason = DELETE
-        else:
-            reason = DELETE_FINISH
-    elif plan.delete_first:
-        reason = CREATE_AFTER_DELETE
+        reason = DELETE if candidate.record.deleted else DELETE_FINISH
+    elif plan.to_delete:
+        reason = DELETE_REPLAY
     elif plan.verb is Verb.CREATE:
         reason = NEW_RECORD if row is None else NO_REMOTE_ID
         if plan.follow_up:

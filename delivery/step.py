@@ -56,17 +56,15 @@ REPLAY_NOT_UPDATABLE = (
 class Send:
     """A write to make: the verb, the mapped body and its digest. `follow_up`: a create that may
     be answered with an older body under its key (`decisions.create_may_be_a_replay`), to be followed
-    by an update with this body. `replay_create`: a delete of a record whose create may have
-    landed unanswered: the create is sent again under its key first, to learn the id to delete.
-    `delete_first`: a create of a record whose earlier delete may have landed unanswered: the
-    delete is finished first, and the create goes under the next key."""
+    by an update with this body. `to_delete`: a create sent again under its key for a record
+    deleted in the source since its create went out unanswered, only to learn the id the target
+    gave it, which the next chain deletes."""
 
     verb: Verb
     body: dict[str, Any]
     digest: str
     follow_up: bool = False
-    replay_create: bool = False
-    delete_first: bool = False
+    to_delete: bool = False
 
 
 #: Runs a blocking call on a thread and awaits it (the async job's; see `RecordStep.call_async`).
@@ -121,7 +119,7 @@ class RecordStep:
             why = f"its ledger row is terminal ({row.status.value})"
         elif phase is Phase.DRAIN and (row is None or row.status is not LedgerStatus.FAILED):
             why = "the drain offered a row that is not failed"
-        elif phase is Phase.SCAN and record.deleted and not (self._propagates and row is not None and row.remote_id):
+        elif phase is Phase.SCAN and record.deleted and not (self._propagates and self._may_hold_a_copy(row)):
             why = "it is deleted" + ("" if self._propagates else " and the rule does not propagate deletes")
         elif phase is Phase.SCAN and row is not None and row.status is LedgerStatus.FAILED:
             why = "it is failed, and failed rows belong to the drain"
@@ -134,21 +132,28 @@ class RecordStep:
     def _propagates(self) -> bool:
         return self.rule.deletes is DeletePolicy.PROPAGATE
 
+    @staticmethod
+    def _may_hold_a_copy(row: LedgerRow | None) -> bool:
+        """Whether the target holds, or may hold, a copy this rule made of the record."""
+        return row is not None and (bool(row.remote_id) or decisions.create_may_have_landed(row))
+
     def plan(self, candidate: Candidate) -> Outcome | Send:
         """What to do with a record, decided from its ledger row alone: an outcome reached without
         writing (suppressed), or the write to make."""
         rule, record, row = self.rule, candidate.record, candidate.ledger
         body = decisions.map_payload(record.payload, rule.fields, skip_nulls=rule.nulls is Nulls.SKIP)
         digest = decisions.body_digest(body)
-        if row is not None and row.deleting and row.remote_id:
-            # A delete of this copy went out and its answer was never seen: it is finished first,
-            # whatever the source says now; a live record is then created again under a new key.
-            if record.deleted or Verb.CREATE not in rule.policy.verbs:
-                return Send(Verb.DELETE, body, digest)
-            return Send(Verb.CREATE, body, digest, follow_up=True, delete_first=True)
+        if decisions.plans_delete(rule, row, record.deleted):
+            # The record's copy is deleted; or a delete of it went out and its answer was never
+            # seen, which is finished first whatever the source says now (a live record is then
+            # created again under a new key, by the next chain's drain).
+            return Send(Verb.DELETE, body, digest)
         if record.deleted:
-            if decisions.plans_delete(rule, row, record_deleted=True):
-                return Send(Verb.DELETE, body, digest, replay_create=not (row is not None and row.remote_id))
+            if rule.deletes is DeletePolicy.PROPAGATE and decisions.create_may_have_landed(row):
+                # Its create went out and its answer was never seen: sent again under its key, the
+                # target answers with the record it made (none is made twice), which the next
+                # chain then deletes. A copy left behind unseen would never be deleted.
+                return Send(Verb.CREATE, body, digest, to_delete=True)
             # Only the drain reaches here: a failed record deleted since, which this rule never
             # delivered (or does not delete). Sending the stale payload would be wrong.
             return decisions.parked(
@@ -263,26 +268,6 @@ class RecordStep:
         rule, record, row = self.rule, candidate.record, candidate.ledger
         creates, updates = (CreatesAsync, UpdatesAsync) if asynchronous else (Creates, Updates)
         writer = self.writer
-        renewed = False
-        if plan.delete_first:
-            # The delete that may have landed is finished first (a 404 says it had); the record is
-            # then created under the next key, as a record never delivered.
-            assert row is not None and row.remote_id is not None
-            done = yield from self._deleting(
-                candidate, dataclasses.replace(plan, verb=Verb.DELETE), breaker, asynchronous=asynchronous
-            )
-            if not (isinstance(done, Outcome) and done.status is LedgerStatus.DELETED):
-                return done
-            row = dataclasses.replace(
-                row,
-                remote_id=None,
-                deleting=False,
-                in_doubt=False,
-                delivered_digest=None,
-                create_digest=None,
-                create_generation=done.create_generation,
-            )
-            renewed = True
         remote_id = row.remote_id if row else None
         #: The mirrored record, for a writer whose requests are described by templates.
         extra = (record,) if writer.takes_record else ()
@@ -292,7 +277,6 @@ class RecordStep:
         #: the target down), so a later send under the same key, its answer unseen, may be the one
         #: that made the record: the row's create_digest then no longer says what it holds.
         updating = plan.verb is Verb.UPDATE or plan.follow_up
-        outcome: Outcome | ChainEnd | None
         try:
             if plan.verb is Verb.CREATE:
                 if not isinstance(writer, creates):
@@ -300,13 +284,14 @@ class RecordStep:
                 generation = row.create_generation if row else 0
                 key = decisions.idempotency_key(rule.name, record.external_id, generation, rule.key_epoch)
                 remote_id = yield Verb.CREATE, (plan.body, key, *extra)
+                if plan.to_delete:
+                    return decisions.created_to_delete(row, remote_id, self.clock())
                 if plan.follow_up:
                     # The same key may have carried an older body before (a crash before the
                     # settle, a timeout after the target took it): a target that honours the key
                     # answers with the record it made then and keeps that body. Make it ours.
                     if not isinstance(writer, updates):
-                        outcome = decisions.delivered(row, remote_id, plan.digest, note=REPLAY_NOT_UPDATABLE)
-                        return _renewed(outcome, renewed)
+                        return decisions.delivered(row, remote_id, plan.digest, note=REPLAY_NOT_UPDATABLE)
                     updating = True
                     yield Verb.UPDATE, (remote_id, plan.body, *extra)
             else:
@@ -320,12 +305,7 @@ class RecordStep:
                 # no delivered digest, so the next attempt updates.
                 why = "breaker open" if isinstance(held, Refused) else "traffic held"
                 refused = TargetUnavailable(f"{why} before the follow-up update", outcome_unknown=False)
-                return _renewed(self._after(row, refused, remote_id, breaker), renewed)
-            if renewed:
-                # The delete was done, and the create not sent: the row says so (its next attempt
-                # creates under the new key).
-                refused = TargetUnavailable("the create after the delete was not sent", outcome_unknown=False)
-                return _renewed(self._after(row, refused, None, breaker), renewed)
+                return self._after(row, refused, remote_id, breaker)
             return not_sent_end(held)
         except Unauthorized as fault:
             raise fault.for_rule(rule.name) from fault
@@ -333,58 +313,39 @@ class RecordStep:
             raise
         except RecordFault as fault:
             unknown = updating and isinstance(fault, TargetUnavailable) and fault.outcome_unknown
-            return _renewed(self._after(row, fault, remote_id, breaker, unknown=unknown), renewed)
-        return _renewed(decisions.delivered(row, remote_id, plan.digest), renewed)
+            return self._after(row, fault, remote_id, breaker, unknown=unknown)
+        return decisions.delivered(row, remote_id, plan.digest)
 
     def _deleting(
         self, candidate: Candidate, plan: Send, breaker: TargetBreaker, *, asynchronous: bool
     ) -> Generator[tuple[Verb, tuple[Any, ...]], Any, Outcome | ChainEnd | None]:
-        """A delete's decisions (see `_sending`): the row's copy deleted, its create sent again
-        first where it may have landed unanswered (`plan.replay_create`). 2xx and 404/410 both end
-        `deleted`; a fault of the target leaves the row failed and, where the delete may have been
-        applied, `deleting`."""
+        """A delete's decisions (see `_sending`): the row's copy deleted. 2xx and 404/410 both end
+        it (`decisions.after_delete`); a fault of the target leaves the row failed and, where the
+        delete may have been applied, `deleting`."""
         rule, record, row = self.rule, candidate.record, candidate.ledger
-        creates, deletes = (CreatesAsync, DeletesAsync) if asynchronous else (Creates, Deletes)
-        writer = self.writer
-        remote_id = row.remote_id if row else None
-        extra = (record,) if writer.takes_record else ()
-        sent_delete = False
+        assert row is not None and row.remote_id is not None  # a delete has a row holding the remote id
+        if not isinstance(self.writer, DeletesAsync if asynchronous else Deletes):
+            raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, Verb.DELETE.value)
         try:
-            if not isinstance(writer, deletes):
-                raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, Verb.DELETE.value)
-            if plan.replay_create:
-                # The create's outcome is learnt first: replayed under its key, it answers with the
-                # record it made (a target honouring the key makes no second one).
-                if not isinstance(writer, creates):
-                    raise UnsupportedDeliveryVerb(rule.name, rule.target.driver, Verb.CREATE.value)
-                generation = row.create_generation if row else 0
-                key = decisions.idempotency_key(rule.name, record.external_id, generation, rule.key_epoch)
-                remote_id = yield Verb.CREATE, (plan.body, key, *extra)
-            assert remote_id is not None
-            sent_delete = True
-            yield Verb.DELETE, (remote_id, *((record, plan.body) if writer.takes_record else ()))
+            yield Verb.DELETE, (row.remote_id, *((record, plan.body) if self.writer.takes_record else ()))
         except NOT_SENT as held:
-            if plan.replay_create and remote_id is not None:
-                # The create answered, the delete was not sent: keep the id, so the next attempt deletes it.
-                why = "breaker open" if isinstance(held, Refused) else "traffic held"
-                refused = TargetUnavailable(f"{why} before the delete", outcome_unknown=False)
-                return self._after(row, refused, remote_id, breaker)
             return not_sent_end(held)
         except Unauthorized as fault:
             raise fault.for_rule(rule.name) from fault
         except RuleFault:
             raise
         except RemoteGone:
-            if sent_delete:
-                return decisions.deleted(row, remote_id)  # gone already: the same end
-            raise
+            pass  # gone already: the same end
         except RecordFault as fault:
-            outcome = self._after(row, fault, remote_id, breaker)
-            if not sent_delete:
-                return outcome  # the replayed create failed: as any create's failure
-            unknown = isinstance(fault, TargetUnavailable) and fault.outcome_unknown
-            return dataclasses.replace(outcome, deleting=bool(row is not None and row.deleting) or unknown)
-        return decisions.deleted(row, remote_id)
+            return self._after_delete_fault(row, fault, breaker)
+        return decisions.after_delete(rule, row, record.deleted, self.clock())
+
+    def _after_delete_fault(self, row: LedgerRow, fault: RecordFault, breaker: TargetBreaker) -> Outcome:
+        """A delete that failed: as any write's failure, the row keeping its remote id, and
+        `deleting` where the delete may have been applied (or an earlier one may have)."""
+        outcome = self._after(row, fault, row.remote_id, breaker)
+        unknown = isinstance(fault, TargetUnavailable) and fault.outcome_unknown
+        return dataclasses.replace(outcome, deleting=row.deleting or unknown)
 
     def call(self, breaker: TargetBreaker, bounds: JobBounds, call: Callable[..., Any], *args: Any) -> Any:
         """One request: admitted by the target's traffic, made through its breaker. A pause the
@@ -455,11 +416,10 @@ class RecordStep:
         row = candidate.ledger
         remote_id = row.remote_id if row is not None and plan.verb is not Verb.CREATE else None
         if plan.verb is Verb.DELETE:
-            if result is None or isinstance(result, RemoteGone):
-                return decisions.deleted(row, remote_id)  # 404/410: gone already, the same end
-            outcome = self._after(row, result, remote_id, breaker)
-            unknown = isinstance(result, TargetUnavailable) and result.outcome_unknown
-            return dataclasses.replace(outcome, deleting=bool(row is not None and row.deleting) or unknown)
+            assert row is not None
+            if result is None or isinstance(result, RemoteGone):  # 404/410: gone already, the same end
+                return decisions.after_delete(self.rule, row, candidate.record.deleted, self.clock())
+            return self._after_delete_fault(row, result, breaker)
         if isinstance(result, RecordFault):
             updating = plan.verb is Verb.UPDATE or plan.follow_up  # as in `_sending`
             unknown = updating and isinstance(result, TargetUnavailable) and result.outcome_unknown
@@ -501,8 +461,3 @@ class RecordStep:
             paused_until=paused_until,
             target_healthy=healthy,
         )
-
-
-def _renewed(outcome: Outcome, renewed: bool) -> Outcome:
-    """`outcome`, marked as written under a key that moved on (see `Outcome.key_renewed`)."""
-    return dataclasses.replace(outcome, key_renewed=True) if renewed else outcome

@@ -125,6 +125,7 @@ class Demo:
             self._step("5. recovery: due retries drained first", self._recovery)
             self._step("6. traffic control: a target with a rate budget", self._rate_limited)
             self._step("7. a target that wants OAuth2 tokens that expire", self._oauth2)
+            self._step("8. deletes: propagated, and a guard that holds", self._deletes)
         counts = self._summary(time.monotonic() - started)
         return counts
 
@@ -333,6 +334,35 @@ class Demo:
             f"{counts.get('failed', 0)} failed: each token was renewed before it expired"
         )
 
+    def _deletes(self) -> None:
+        """The rule now propagates deletes, at most `MAX_DELETES` a chain: three contacts deleted
+        in the source are deleted in the CRM; then a source that deletes more than that at once
+        (a glitch that emptied a table, say) fails the chain before it deletes anything."""
+        config = yaml.safe_load(DEMO_CONFIG.read_text(encoding="utf-8"))
+        for connection in config["connections"]:
+            if connection["name"] == "crm":
+                connection["base_url"] = self.sandbox.url
+        config["rules"][0].update({"deletes": "propagate", "max_deletes_per_chain": MAX_DELETES})
+        with self.engine.begin() as conn:
+            apply_config(conn, parse_config(yaml.safe_dump(config)))
+        self.console.print(f"{RULE}: deletes: propagate, max_deletes_per_chain: {MAX_DELETES}")
+        rng = random.Random(31)
+        rows = self._ledger_by_id()
+        delivered = [r for r in self.sample if rows[r["id"]]["status"] == "delivered"]
+        chosen = rng.sample(delivered, k=3 + MAX_DELETES + 1)
+        deleted, purge = chosen[:3], chosen[3:]
+        self._load(_write(self.workdir / "deleted.jsonl", [{**r, "deleted": True} for r in deleted]))
+        before = len(self._api("GET", "contacts"))
+        self._chain("deliver-rule")
+        self.console.print(f"the sandbox held {before} contacts, now {len(self._api('GET', 'contacts'))}")
+        self._load(_write(self.workdir / "purge.jsonl", [{**r, "deleted": True} for r in purge]))
+        self.console.print(f"the source deletes {len(purge)} contacts at once: more than the rule allows a chain")
+        result = self._chain("deliver-rule")
+        self.console.print(
+            f"the guard held ({result['state']}): the sandbox still holds {len(self._api('GET', 'contacts'))}; "
+            "if the deletes are meant, raise max_deletes_per_chain and run again"
+        )
+
     # -- helpers --------------------------------------------------------------------------------
 
     def _api(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -357,6 +387,7 @@ class Demo:
             LedgerStatus.FAILED: "waiting for their next attempt",
             LedgerStatus.EXHAUSTED: "parked: refused until max_attempts",
             LedgerStatus.REMOTE_GONE: "parked: deleted in the CRM",
+            LedgerStatus.DELETED: "deleted in the source, so deleted in the CRM",
         }
         for status in LedgerStatus:
             table.add_row(status.value, str(counts[status.value]), meaning[status])
@@ -383,6 +414,8 @@ OAUTH_CLIENT_ID = "demo-client"
 OAUTH_CLIENT_SECRET = "demo-client-secret"
 OAUTH_TOKEN_SECONDS = 1
 OAUTH_RULE = "contacts-to-crm-oauth"
+#: Step 8: the most deletes one chain of the demo's rule may send.
+MAX_DELETES = 5
 #: Step 6: the sandbox's budget, and how many contacts change under it (a couple of seconds' worth).
 RATE_PER_SECOND = 40
 RATE_CHANGES = 80

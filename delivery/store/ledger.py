@@ -78,7 +78,8 @@ def scan_page(conn: sa.Connection, rule: Rule, after: Cursor | None, limit: int)
     """The rule's changes after `after` in (changed_at, id) order, skipping what the ledger already
     settled at this change signal, terminal rows and failed rows (the drain owns those). A record
     deleted in the source is offered only to a rule that propagates deletes, and only where its
-    row holds a remote id (this rule delivered it): nothing else is ever deleted."""
+    row holds a remote id (this rule delivered it) or a create went out under its current key
+    whose answer was never recorded: nothing else is ever deleted."""
     m, lg = mirror_records_table, ledger_table
     unsettled = sa.and_(
         lg.c.status.in_(_REOFFERED),
@@ -88,7 +89,13 @@ def scan_page(conn: sa.Connection, rule: Rule, after: Cursor | None, limit: int)
         where: tuple[sa.ColumnElement[bool], ...] = (
             sa.or_(
                 sa.and_(m.c.deleted.is_(False), sa.or_(lg.c.id.is_(None), unsettled)),
-                sa.and_(m.c.deleted.is_(True), lg.c.remote_id.is_not(None), unsettled),
+                # A copy this rule made, or may have made: a create went out under the row's
+                # current key and its id was never learnt (`decisions.create_may_have_landed`).
+                sa.and_(
+                    m.c.deleted.is_(True),
+                    sa.or_(lg.c.remote_id.is_not(None), lg.c.create_fingerprint.is_not(None)),
+                    unsettled,
+                ),
             ),
         )
     else:

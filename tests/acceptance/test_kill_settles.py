@@ -4,6 +4,11 @@ Idempotency-Key and updates with the same body, and the target ends holding one 
 record with its latest body. Run for both settle modes and for batch endpoints (grouped, 10 records a
 call), on SQLite and PostgreSQL.
 
+The rule propagates deletes (issue 31): every round deletes some records in the source and restores
+some deleted before, between kills. The target ends holding exactly the mirror's live records and
+none of the deleted ones, and no delete ever names a record the rule did not create (the target
+holds records of its own from the start, which must survive).
+
 The chain runs in a child process (`tests/acceptance/chain_child.py`) against the real local
 target, which honours Idempotency-Key. `KILL_SETTLES_SEED=N` repeats a run's choices (which records
 change, when each kill lands); the kills' effect still depends on timing.
@@ -59,6 +64,11 @@ LATENCY_MS = 3
 MIN_WINDOW_HITS = 5
 #: Creates left in flight by a kill whose record changed before the retry (the replay's update).
 MIN_INTENTS_CHANGED = 5
+#: Records deleted in the source each round, and deleted ones restored.
+DELETED_PER_ROUND = 6
+RESTORED_PER_ROUND = 3
+#: Records the target holds from the start, which the rule did not create: never deleted.
+FOREIGN = 5
 #: Uncut chains allowed at the end to catch up (one should do; a second proves nothing is left).
 FINAL_CHAINS = 4
 #: Seconds without a request in progress or a new one arriving, after a kill, before the target
@@ -77,6 +87,8 @@ class KeyTarget(TargetServer):
         self.made: Counter[str] = Counter()
         #: Set when a create arrives: a kill timed by it lands while that create is in flight.
         self.create_arrived = threading.Event()
+        #: The ids of the records creates made (the rule's copies, as the target knows them).
+        self.made_ids: set[str] = set()
 
     def _dispatch(self, method: str, raw_path: str, headers: Any, raw: bytes) -> Any:
         with self._lock:
@@ -97,7 +109,18 @@ class KeyTarget(TargetServer):
         reply = super()._create_record(store, collection, body, idempotency_key)
         if self._next_id != before:
             self.made[str(body.get("external"))] += 1
+            self.made_ids.add(f"r-{before}")
         return reply
+
+    def deleted_ids(self) -> list[str]:
+        """The remote ids every delete named, one request's or a batch item's."""
+        with self._lock:
+            requests = [r for r in self.requests if r.method == "DELETE"]
+        return [
+            str(item.get("id")) if request.batch else request.path.rsplit("/", 1)[-1]
+            for request in requests
+            for item in (request.items if request.batch else [{}])
+        ]
 
     def sent_since(self, number: int) -> list[RecordedRequest]:
         with self._lock:
@@ -198,6 +221,7 @@ def config(target: TargetServer, settle: str) -> dict[str, Any]:
     """`settle`: `per_record`, `grouped`, or `batch` (grouped, with the target's batch endpoints)."""
     batch = settle == "batch"
     settle = "grouped" if batch else settle
+    paths = {"create_path": f"{COLLECTION}/batch", "update_path": f"{COLLECTION}/batch"}
     connection: dict[str, Any] = {
         "name": "crm",
         "driver": "rest",
@@ -206,11 +230,7 @@ def config(target: TargetServer, settle: str) -> dict[str, Any]:
         "timeout_seconds": 30,
         "breaker": {"fail_max": 1000, "reset_seconds": 1},
         "settle": settle,
-        **(
-            {"batch": {"create_path": f"{COLLECTION}/batch", "update_path": f"{COLLECTION}/batch", "max_items": 10}}
-            if batch
-            else {}
-        ),
+        **({"batch": {**paths, "delete_path": f"{COLLECTION}/batch-delete", "max_items": 10}} if batch else {}),
     }
     return {
         "connections": [connection, {"name": "shop"}],
@@ -231,6 +251,8 @@ def config(target: TargetServer, settle: str) -> dict[str, Any]:
                 "retry_schedule_seconds": [0],
                 "fields": FIELDS,
                 "concurrency": CONCURRENCY,
+                "deletes": "propagate",
+                "max_deletes_per_chain": 10_000,
             }
         ],
     }
@@ -245,6 +267,7 @@ class Tally:
     intents_left: int = 0
     intents_changed: int = 0
     lives: list[float] = field(default_factory=list)
+    deletes: int = 0
     delays: list[float] = field(default_factory=list)
 
 
@@ -261,6 +284,9 @@ class Run:
         self.rng = rng
         self.seed = seed
         self.latest: dict[str, dict[str, Any]] = {}
+        #: The records deleted in the source now, and every one that ever was.
+        self.deleted: set[str] = set()
+        self.ever_deleted: set[str] = set()
         self.tally = Tally()
         #: Seconds from `open` to `done`, learnt from the children that finish: kills land
         #: uniformly over it and a quarter beyond, so some children finish and it is learnt again.
@@ -270,10 +296,25 @@ class Run:
 
     # -- the mirror ------------------------------------------------------------------------------
 
-    def load(self, changes: dict[str, dict[str, Any]]) -> None:
+    def load(self, changes: dict[str, dict[str, Any]], *, deleted: bool = False) -> None:
         with self.engine.begin() as conn:
-            load_records(conn, "shop", "contact", [MirrorInput(ext, payload) for ext, payload in changes.items()])
+            items = [MirrorInput(ext, payload, deleted) for ext, payload in changes.items()]
+            load_records(conn, "shop", "contact", items)
         self.latest.update(changes)
+        if deleted:
+            self.deleted.update(changes)
+            self.ever_deleted.update(changes)
+        else:
+            self.deleted.difference_update(changes)
+
+    def delete_and_restore(self) -> None:
+        """Some live records deleted in the source (a new one, never sent, among them at times),
+        and some deleted before restored with a new body."""
+        restored = self.rng.sample(sorted(self.deleted), min(len(self.deleted), RESTORED_PER_ROUND))
+        live = sorted(set(self.latest) - self.deleted)
+        gone = self.rng.sample(live, DELETED_PER_ROUND)
+        self.load({ext: self.latest[ext] for ext in gone}, deleted=True)
+        self.load({ext: self.payload(ext, self.latest[ext]["rev"] + 1) for ext in restored})
 
     def payload(self, ext: str, rev: int) -> dict[str, Any]:
         return {"ext": ext, "name": f"Name {ext} r{rev}", "rev": rev, "note": self.rng.random()}
@@ -290,7 +331,8 @@ class Run:
         self.load({f"c-{number:02d}-{i}": self.payload(f"c-{number:02d}-{i}", 0) for i in range(NEW_PER_ROUND)})
         rest = sorted(set(self.latest) - set(chosen) - {f"c-{number:02d}-{i}" for i in range(NEW_PER_ROUND)})
         chosen += self.rng.sample(rest, max(0, CHANGED_PER_ROUND - len(chosen)))
-        self.load({ext: self.payload(ext, self.latest[ext]["rev"] + 1) for ext in chosen})
+        self.load({ext: self.payload(ext, self.latest[ext]["rev"] + 1) for ext in chosen if ext not in self.deleted})
+        self.delete_and_restore()
 
     # -- a child chain -----------------------------------------------------------------------------
 
@@ -376,6 +418,8 @@ class Run:
             for body in bodies:
                 if not isinstance(body, dict):
                     continue
+                if str(body.get("external")) in self.deleted:
+                    continue  # a create replayed to learn the id to delete: its row keeps it, failed
                 row = rows.get(str(body.get("external")))
                 digest = decisions.body_digest(body)
                 if row is None or row.status != LedgerStatus.DELIVERED.value or row.fingerprint != digest:
@@ -427,6 +471,11 @@ def test_chains_killed_at_random_lose_no_change_and_create_nothing_twice(
     seed = int(os.environ.get("KILL_SETTLES_SEED") or random.SystemRandom().randrange(2**32))
     print(f"KILL_SETTLES_SEED={seed}")
     run = Run(engine, db_url, key_target, forks, random.Random(seed), seed)
+    with key_target._lock:
+        store = key_target._collections.setdefault(COLLECTION, {})
+        for i in range(FOREIGN):
+            # Records of the target's own, some with an external id the rule also has.
+            store[f"foreign-{i}"] = {"id": f"foreign-{i}", "external": f"c-first-{i:03d}", "name": "theirs"}
 
     run.load({f"c-first-{i:03d}": run.payload(f"c-first-{i:03d}", 0) for i in range(FIRST_RECORDS)})
     for number in range(ROUNDS):
@@ -437,30 +486,50 @@ def test_chains_killed_at_random_lose_no_change_and_create_nothing_twice(
         assert not run.child(kill=False)
         key_target.wait_quiet()
         rows = run.rows()
-        if len(key_target.requests) == before and all(r.status == "delivered" for r in rows.values()):
+        settled = all(
+            r.status in (("deleted", "suppressed", None) if ext in run.deleted else ("delivered",))
+            for ext, r in rows.items()
+        )
+        if len(key_target.requests) == before and settled:
             break
     else:
         statuses = Counter(row.status for row in rows.values())
         raise AssertionError(f"{FINAL_CHAINS} uncut chains did not catch up: {statuses} (seed {seed})")
 
     tally = run.tally
+    tally.deletes = len(key_target.deleted_ids())
     print(f"settle={settle} url={db_url.split(':')[0]} {tally}")
     why = f"seed {seed}, {tally}"
 
     # No change lost: the mirror holds what the test loaded, and the target and the ledger hold
     # the latest of each.
     assert {ext: row.payload for ext, row in rows.items()} == run.latest, why
+    held = key_target.records(COLLECTION)
+    # Nothing the rule did not create was deleted: the target's own records are all there, and
+    # every delete named a record a create of the rule made.
+    assert all(f"foreign-{i}" in held for i in range(FOREIGN)), why
+    strangers = set(key_target.deleted_ids()) - key_target.made_ids
+    assert not strangers, f"deletes of records the rule did not create: {strangers} ({why})"
     stored: dict[str, list[dict[str, Any]]] = {}
-    for record in key_target.records(COLLECTION).values():
-        stored.setdefault(str(record["external"]), []).append(record)
+    for record in held.values():
+        if not str(record["id"]).startswith("foreign-"):
+            stored.setdefault(str(record["external"]), []).append(record)
     copies = {ext: len(found) for ext, found in stored.items() if len(found) != 1}
     assert not copies, f"external ids with other than one copy in the target: {copies} ({why})"
-    assert set(stored) == set(run.latest), why
-    twice = {ext: n for ext, n in key_target.made.items() if n != 1}
+    # The target holds exactly the mirror's live records, none of the deleted ones.
+    extra = {ext: dict(rows[ext]._asdict()) for ext in set(stored) - (set(run.latest) - run.deleted)}
+    assert set(stored) == set(run.latest) - run.deleted, f"{why}; extra: {extra}"
+    twice = {ext: n for ext, n in key_target.made.items() if n != 1 and ext not in run.ever_deleted}
     assert not twice, f"creates that made a new record more than once: {twice} ({why})"
+    assert all(key_target.made[ext] >= 1 for ext in stored), why
+    gone_rows = {ext: rows[ext].status for ext in run.deleted if rows[ext].status not in ("deleted", None)}
+    assert not gone_rows, f"deleted records whose rows are not deleted: {gone_rows} ({why})"
+    assert tally.deletes, f"no delete was sent ({why})"
     stale = {}
     wrong_rows = {}
     for ext, row in rows.items():
+        if ext in run.deleted:
+            continue
         (record,) = stored[ext]
         body = decisions.map_payload(row.payload, FIELDS)
         if {k: v for k, v in record.items() if k != "id"} != body:

@@ -79,7 +79,11 @@ def test_preview_json_table_and_refusals_change_nothing_and_send_nothing(world: 
     assert isinstance(data, dict)
     assert [(r["phase"], r["external_id"], r["action"], r["reason"]) for r in data["rows"]] == EXPECTED
     assert data["counts"] == {"create": 2, "update": 1, "delete": 0, "suppress": 1, "skip": 2}
-    assert data["drain"] == {"shown": 1, "cut": False, "counts": {"create": 1, "update": 0, "delete": 0, "suppress": 0, "skip": 0}}
+    assert data["drain"] == {
+        "shown": 1,
+        "cut": False,
+        "counts": {"create": 1, "update": 0, "delete": 0, "suppress": 0, "skip": 0},
+    }
     assert data["hold"] is None and data["starts"] is True and data["cut"] is False and data["limit"] == 50
     assert data["rule"] == RULE and data["target"] == "crm"
     rows = {r["external_id"]: r for r in data["rows"]}

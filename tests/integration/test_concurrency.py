@@ -23,7 +23,14 @@ def test_parallel_writes_deliver_each_record_once_and_park_faults_per_record(wor
     world.target.program(world.key("r005"), Answer.status(422))
     world.target.program(world.key("r017"), Answer.no_id())
     result = world.run()
-    assert result["scanned"] == {"delivered": 58, "suppressed": 0, "failed": 1, "exhausted": 1, "remote_gone": 0, "deleted": 0}
+    assert result["scanned"] == {
+        "delivered": 58,
+        "suppressed": 0,
+        "failed": 1,
+        "exhausted": 1,
+        "remote_gone": 0,
+        "deleted": 0,
+    }
     posts = [r.key or "" for r in world.target.requests if r.method == "POST"]
     assert sorted(posts) == sorted(world.key(i) for i in ids)
     cursor = world.cursor()

@@ -33,7 +33,11 @@ SENDING: dict[str, dict[str, Any]] = {
     "grouped": {"settle": "grouped"},
     "batch": {
         "settle": "grouped",
-        "batch": {"create_path": "contacts/batch", "update_path": "contacts/batch", "delete_path": "contacts/batch-delete"},
+        "batch": {
+            "create_path": "contacts/batch",
+            "update_path": "contacts/batch",
+            "delete_path": "contacts/batch-delete",
+        },
     },
 }
 
@@ -76,7 +80,9 @@ def test_a_deleted_record_is_deleted_in_the_target_only_where_this_rule_delivere
     assert deletes_sent(target) == 1
     if not sending.get("batch"):
         (delete,) = [r for r in target.requests if r.method == "DELETE"]
-        assert delete.path == f"/api/contacts/{remote_b}" and delete.json is None and "content-type" not in delete.headers
+        assert (
+            delete.path == f"/api/contacts/{remote_b}" and delete.json is None and "content-type" not in delete.headers
+        )
     # Nothing more to do: the deleted row is settled at this change.
     assert sum(w.run()["counts"].values()) == 0
     assert deletes_sent(target) == 1
@@ -92,9 +98,7 @@ def test_deletes_ignore_leaves_the_target_as_it_was(engine: sa.Engine, target: T
     assert deletes_sent(target) == 0
 
 
-def test_a_404_ends_deleted_as_gone_already(
-    engine: sa.Engine, target: TargetServer, sending: dict[str, Any]
-) -> None:
+def test_a_404_ends_deleted_as_gone_already(engine: sa.Engine, target: TargetServer, sending: dict[str, Any]) -> None:
     w = world(engine, target, sending)
     w.load("a")
     w.run()
@@ -154,7 +158,7 @@ def test_a_restored_record_is_created_again_under_a_new_key(
 def test_a_delete_waits_for_a_create_in_doubt(engine: sa.Engine, target: TargetServer, sending: dict[str, Any]) -> None:
     """The create went out and its answer never came (the target made the record all the same);
     the record is deleted in the source meanwhile: the create is replayed under its key, answered
-    with the record it made, which is then deleted. No copy is left behind."""
+    with the record it made, which the next chain deletes. No copy is left behind."""
     w = world(engine, target, sending)
     w.set_timeout(SHORT_TIMEOUT_SECONDS)
     if sending.get("batch"):
@@ -168,8 +172,14 @@ def test_a_delete_waits_for_a_create_in_doubt(engine: sa.Engine, target: TargetS
     _wait_until_held(target, "a")
     w.load("a", deleted=True)
     w.make_due()
+    w.run()
+    (copy,) = held_by(target, "a")
+    row = w.ledger()["a"]
+    assert row["status"] == "failed" and row["remote_id"] == copy["id"]  # learnt, to be deleted
+    assert deletes_sent(target) == 0
     assert w.run()["counts"]["deleted"] == 1
     assert held_by(target, "a") == [] and w.ledger()["a"]["status"] == "deleted"
+    assert len([r for r in target.requests if r.method == "POST"]) == 2  # the create and its replay
 
 
 def _wait_until_held(target: TargetServer, external_id: str) -> None:
@@ -182,7 +192,7 @@ def _wait_until_held(target: TargetServer, external_id: str) -> None:
         time.sleep(0.02)
 
 
-def test_a_restore_after_a_delete_in_doubt_finishes_the_delete_then_creates(
+def test_a_restore_after_a_delete_in_doubt_finishes_the_delete_then_creates_anew(
     engine: sa.Engine, target: TargetServer, sending: dict[str, Any]
 ) -> None:
     w = world(engine, target, sending)
@@ -199,7 +209,9 @@ def test_a_restore_after_a_delete_in_doubt_finishes_the_delete_then_creates(
     assert w.ledger()["a"]["deleting"]
     w.load("a", deleted=False, note="back")  # restored before the next chain
     w.make_due()
-    w.run()
+    w.run()  # the delete is finished first (its answer: 404, done already)
+    assert held_by(target, "a") == [] and w.ledger()["a"]["status"] == "failed"
+    w.run()  # then the record is created anew
     (copy,) = held_by(target, "a")
     assert copy["id"] != first and copy["note"] == "back"
     row = w.ledger()["a"]
@@ -256,6 +268,8 @@ def test_a_requeue_never_touches_deleted_rows(engine: sa.Engine, target: TargetS
     with pytest.raises(RequeueInputError, match="only exhausted, remote_gone and failed rows can be requeued"):
         Selection.of(["deleted"])
     with engine.begin() as conn:
-        taken = requeue(conn, "contacts-to-crm", Selection.of(["exhausted", "remote_gone", "failed"]), "test", dry_run=False)
+        taken = requeue(
+            conn, "contacts-to-crm", Selection.of(["exhausted", "remote_gone", "failed"]), "test", dry_run=False
+        )
         assert taken == []
         assert conn.execute(sa.select(ledger_table)).one()._asdict() == before

@@ -33,7 +33,9 @@ def _expected_statuses(workdir: Path) -> dict[str, set[str]]:
     mapped = set(rule["fields"].values())
     last: dict[str, dict[str, Any]] = {}
     expected: dict[str, set[str]] = {}
-    steps = [
+    #: A step whose lines change nothing the ledger says (the guard stopped their deletes).
+    kept: set[str] = set()
+    steps: list[tuple[str, set[str] | None]] = [
         ("contacts.jsonl", {"delivered"}),  # a healthy target
         ("changes.jsonl", {"delivered"}),  # a healthy target
         ("parked.jsonl", None),  # deleted in the target, or too large for it
@@ -41,13 +43,19 @@ def _expected_statuses(workdir: Path) -> dict[str, set[str]]:
         ("wobbly.jsonl", {"delivered"}),
         ("more.jsonl", {"delivered"}),  # loaded while the target is down, then back
         ("budget.jsonl", {"delivered"}),  # records in play, sent under a rate budget
+        ("deleted.jsonl", {"deleted"}),  # deleted in the source: deleted in the target
+        ("purge.jsonl", kept),  # more deletes than the guard allows: the chain deletes none
     ]
     for name, written in steps:
         for line in _lines(workdir / name):
             external_id, payload = line["id"], line["payload"]
             before = last.get(external_id)
             last[external_id] = payload
-            if before is not None and all(before.get(f) == payload.get(f) for f in mapped):
+            if written is kept:
+                continue
+            if line.get("deleted") and written is not None:
+                expected[external_id] = written
+            elif before is not None and all(before.get(f) == payload.get(f) for f in mapped):
                 expected[external_id] = {"suppressed"}
             elif written is not None:
                 expected[external_id] = written
@@ -86,6 +94,9 @@ def test_demo_runs_end_to_end_and_leaves_the_promised_ledger(
     # The scenario's parked records, exactly: three deleted in the target, three refused.
     assert sum(allowed == {"remote_gone"} for allowed in expected.values()) == 3
     assert sum(allowed == {"exhausted"} for allowed in expected.values()) == 3
+    # Step 8: three deleted in the source and so in the target; the purge the guard stopped.
+    assert sum(allowed == {"deleted"} for allowed in expected.values()) == 3
+    assert "TooManyDeletes" in output.getvalue()
     assert sum(allowed == {"suppressed"} for allowed in expected.values()) > 0
     assert all("HTTP 404" in r["last_error"] for r in rows.values() if r["status"] == "remote_gone")
     assert all("HTTP 413" in (r["last_error"] or "") for r in rows.values() if r["status"] == "exhausted")
@@ -114,5 +125,5 @@ def test_the_smallest_demo_the_cli_allows_runs_through(
     finally:
         db.dispose_engines()
     assert sum(counts.values()) == 20
-    assert counts["remote_gone"] == 3
+    assert counts["remote_gone"] == 3 and counts["deleted"] == 3
     assert "breaker_open" in output.getvalue()

@@ -1,15 +1,17 @@
 """Generated histories against the ledger's promises (hypothesis' stateful testing).
 
 A state machine drives the real chain code (the real store on SQLite, the real local HTTP target,
-no Prefect) through generated sequences of: a record changed, reverted to an earlier body or
-deleted in the source; a fault the target gives one record's next request (refused 422, gone 404,
-down 503, 429 with Retry-After, applied but answered late, dropped before applying, a create
-answered without an id); a chain abandoned between a send and its settle (the in-process kill -9);
-a requeue of what is parked; a rule saved while its chain runs; time passing.
+no Prefect) through generated sequences of: a record changed, reverted to an earlier body,
+deleted in the source (the rule propagates deletes) or restored; a fault the target gives one
+record's next request (refused 422, gone 404, down 503, 429 with Retry-After, applied but answered
+late, dropped before applying, a create answered without an id); a chain abandoned between a
+send and its settle (the in-process kill -9); a requeue of what is parked; a rule saved while its
+chain runs; time passing.
 
 When the history ends the world quiesces (faults cleared, the late writes landed, time advanced,
-chains run until one finds nothing to do), and then, for every record of the source that is not
-deleted, the target must hold exactly one copy with the mirror's latest body, and the ledger row
+chains run until one finds nothing to do), and then the target must hold no copy of a record
+deleted in the source, and for every record that is not deleted exactly one copy with the
+mirror's latest body, and the ledger row
 must say delivered (or suppressed) with that copy's id, unless the row is parked (`exhausted`,
 `remote_gone`) for a reason the target gave. A ledger that ever claims to know a body the target
 does not hold (an answer never seen) shows up here as a stale copy.
@@ -133,6 +135,7 @@ def config(
                 "concurrency": concurrency,
                 "max_attempts": max_attempts,
                 "retry_schedule_seconds": [30],
+                "deletes": "propagate",
             }
         ],
     }
@@ -204,10 +207,13 @@ def histories(template: Path, workdir: Path, target: CountingTarget) -> type[Rul
             self.fault(external_id, fault)
 
         @precondition(lambda self: bool(self.bodies))
-        @rule(data=st.data())
-        def delete(self, data: st.DataObject) -> None:
+        @rule(data=st.data(), fault=st.sampled_from(FAULTS))
+        def delete(self, data: st.DataObject, fault: str) -> None:
+            """A record deleted in the source (a later `change` restores it); the rule propagates
+            deletes, and the delete's request meets `fault`."""
             external_id = data.draw(st.sampled_from(sorted(self.bodies)))
             self.load(external_id, self.bodies[external_id][-1], deleted=True)
+            self.fault(external_id, fault)
 
         # -- the target ----------------------------------------------------------------------------
 
@@ -331,6 +337,15 @@ def histories(template: Path, workdir: Path, target: CountingTarget) -> type[Rul
             rows = self.rows()
             for external_id, bodies in self.bodies.items():
                 if external_id in self.deleted:
+                    # Deleted in the source: the target holds no copy of it, unless its row is
+                    # parked for a reason the target gave (a delete refused, an unaddressable create).
+                    row = rows.get(external_id)
+                    if row is not None and LedgerStatus(row["status"]).is_terminal:
+                        assert row["last_error"], row
+                        continue
+                    copy = held.get(f"{external_id}@example.com")
+                    assert copy is None, f"{external_id}: deleted in the source, still in the target; ledger {row}"
+                    assert row is None or row["status"] in ("deleted", "suppressed"), row
                     continue
                 row = rows.get(external_id)
                 assert row is not None, f"{external_id}: no ledger row"

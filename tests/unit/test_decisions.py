@@ -322,7 +322,14 @@ def test_terminal_set_is_exactly_exhausted_and_remote_gone() -> None:
 
 
 def test_ledger_status_values() -> None:
-    assert [s.value for s in LedgerStatus] == ["delivered", "suppressed", "failed", "exhausted", "remote_gone", "deleted"]
+    assert [s.value for s in LedgerStatus] == [
+        "delivered",
+        "suppressed",
+        "failed",
+        "exhausted",
+        "remote_gone",
+        "deleted",
+    ]
 
 
 @pytest.mark.parametrize(
