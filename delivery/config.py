@@ -110,8 +110,11 @@ class BatchRequestConfig(_Strict):
     def shape(self, verb: str) -> BatchShape:
         method = self.method or METHODS[verb][0]
         item = self.item
-        if verb == "delete" and "item" not in self.model_fields_set:
-            item = {"id": "{{ remote_id }}"}  # a delete's item names the record, and nothing else
+        if verb == "delete":
+            # A batch delete carries a body, which a DELETE request should not: POST, unless told.
+            method = self.method or "POST"
+            if "item" not in self.model_fields_set:
+                item = {"id": "{{ remote_id }}"}  # a delete's item names the record, and nothing else
         return BatchShape(method, self.path, self.body, item, self.results_at, self.match, self.id_at)
 
 

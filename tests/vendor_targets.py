@@ -212,6 +212,12 @@ class _Handler(BaseHTTPRequestHandler):
             return 404, {"status": "error", "message": "unknown object"}
         if len(parts) == 7 and parts[5] == "batch" and self.command == "POST":
             return self._hubspot_batch(parts[6], body)
+        if len(parts) == 6 and self.command == "DELETE":
+            if body is not None or "content-type" in headers:
+                return 400, {"status": "error", "category": "VALIDATION_ERROR", "message": "no body expected"}
+            with self.vendors.lock:  # archive: 204, no content
+                gone = self.vendors.hubspot.pop(unquote(parts[5]), None)
+            return (204, None) if gone is not None else (404, {"status": "error", "category": "OBJECT_NOT_FOUND"})
         properties = body.get("properties") if isinstance(body, dict) else None
         if not isinstance(properties, dict) or not all(isinstance(x, str) for x in properties.values()):
             return 400, {"status": "error", "category": "VALIDATION_ERROR", "message": "properties: strings"}
@@ -242,6 +248,14 @@ class _Handler(BaseHTTPRequestHandler):
         inputs = body.get("inputs") if isinstance(body, dict) else None
         if not isinstance(inputs, list) or not 1 <= len(inputs) <= 100:
             return 400, {"status": "error", "category": "VALIDATION_ERROR", "message": "inputs: 1 to 100"}
+        if action == "archive":  # `{"inputs": [{"id": ...}]}`, answered 204 without a body
+            if not all(isinstance(one, dict) and isinstance(one.get("id"), str) for one in inputs):
+                return 400, {"status": "error", "category": "VALIDATION_ERROR", "message": "inputs: {id}"}
+            with self.vendors.lock:
+                self.vendors.batch_calls.append((action, len(inputs)))
+                for one in inputs:
+                    self.vendors.hubspot.pop(one["id"], None)
+            return 204, None
         for one in inputs:
             properties = one.get("properties") if isinstance(one, dict) else None
             if not isinstance(properties, dict) or not all(isinstance(x, str) for x in properties.values()):
@@ -273,6 +287,10 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._bearer_ok(headers):
             return 401, [{"message": "Session expired or invalid", "errorCode": "INVALID_SESSION_ID"}]
         prefix = "/services/data/v60.0/sobjects/Contact/"
+        if path.startswith(prefix) and self.command == "DELETE":
+            with self.vendors.lock:
+                gone = self.vendors.salesforce.pop(unquote(path.removeprefix(prefix)), None)
+            return (204, None) if gone is not None else (404, [{"message": "not found", "errorCode": "NOT_FOUND"}])
         if not path.startswith(prefix) or self.command != "PATCH" or not isinstance(body, dict):
             return 404, [{"message": "The requested resource does not exist", "errorCode": "NOT_FOUND"}]
         if "LastName" not in body:
@@ -299,6 +317,13 @@ class _Handler(BaseHTTPRequestHandler):
             return 401, {"type": "error.list", "errors": [{"code": "unauthorized", "message": "Access Token Invalid"}]}
         if headers.get("intercom-version") != "2.11":
             return 400, {"type": "error.list", "errors": [{"code": "intercom_version_invalid"}]}
+        parts = path.split("/")
+        if len(parts) == 3 and self.command == "DELETE":
+            with self.vendors.lock:
+                gone = self.vendors.intercom.pop(unquote(parts[2]), None)
+            if gone is None:
+                return 404, {"type": "error.list", "errors": [{"code": "not_found"}]}
+            return 200, {"id": gone["id"], "object": "contact", "deleted": True}
         if not isinstance(body, dict):
             return 400, {"type": "error.list", "errors": [{"code": "parameter_invalid"}]}
         v = self.vendors

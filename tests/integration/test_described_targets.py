@@ -39,6 +39,7 @@ HUBSPOT = {
             "id_at": "id",
         },
         "update": {"path": "crm/v3/objects/{{ collection }}/{{ remote_id }}", "body": {"properties": "{{ fields }}"}},
+        "delete": {"path": "crm/v3/objects/{{ collection }}/{{ remote_id }}"},
     },
     "auth": {
         "kind": "oauth2",
@@ -74,6 +75,7 @@ HUBSPOT_BATCH = {
             "results_at": "results",
             "match": "id",
         },
+        "delete": {"path": "crm/v3/objects/{{ collection }}/batch/archive", "body": {"inputs": "{{ items }}"}},
     },
 }
 SALESFORCE = {
@@ -84,6 +86,7 @@ SALESFORCE = {
             "id_at": "id",
         },
         "update": {"path": "services/data/v60.0/sobjects/Contact/{{ remote_id }}"},
+        "delete": {"path": "services/data/v60.0/sobjects/Contact/{{ remote_id }}"},
     },
     "auth": {
         "kind": "oauth2",
@@ -110,6 +113,7 @@ INTERCOM = {
             "path": "contacts/{{ remote_id }}",
             "body": {"email": "{{ record.email }}", "name": "{{ record.name }}"},
         },
+        "delete": {"path": "contacts/{{ remote_id }}"},
     },
     "auth": {"kind": "bearer", "token_env": "IC_TOKEN"},
 }
@@ -410,3 +414,35 @@ def test_an_auth_secret_from_a_prefect_secret_block_and_a_missing_one(engine: sa
             Chain(engine, RULE).open(secrets={}.get)
         assert "the Prefect Secret block 'zd-token'" in str(caught.value)
         assert len(zendesk.state.requests) == 1
+
+
+@pytest.mark.parametrize("vendor", ["hubspot", "hubspot-batch", "salesforce", "intercom"])
+def test_a_propagated_delete_reaches_each_vendor_as_it_documents(engine: sa.Engine, vendor: str) -> None:
+    """HubSpot archives with DELETE (204, no body) or its batch archive (204, no results);
+    Salesforce deletes with DELETE (204); Intercom answers 200 `{deleted: true}`. The rest stays."""
+    described = {"hubspot": HUBSPOT, "hubspot-batch": HUBSPOT_BATCH, "salesforce": SALESFORCE, "intercom": INTERCOM}
+    records = {
+        f"c-{i}": {"email": f"c{i}@example.com", "firstname": f"Name {i}", "name": f"Name {i}", "LastName": f"L{i}"}
+        for i in range(4)
+    }
+    fields = {"salesforce": {"LastName": "LastName"}, "intercom": None}.get(
+        vendor, {"email": "email", "firstname": "firstname"}
+    )
+    with VendorServer() as server:
+        _apply(engine, server.url, described[vendor], deletes="propagate", fields=fields)
+        _load(engine, records)
+        drive(engine, RULE)
+        stores = {"salesforce": server.state.salesforce, "intercom": server.state.intercom}
+        held = stores.get(vendor, server.state.hubspot)
+        assert len(held) == 4
+        with engine.begin() as conn:
+            load_records(conn, "shop", "contact", [MirrorInput(k, records[k], True) for k in ("c-1", "c-2")])
+        report = drive(engine, RULE)
+        ledger = _ledger(engine)
+        assert report.counts == {"deleted": 2}, {k: r["last_error"] for k, r in ledger.items()}
+        assert {k: r["status"] for k, r in ledger.items()} == {
+            "c-0": "delivered", "c-1": "deleted", "c-2": "deleted", "c-3": "delivered"
+        }
+        assert sorted(held) == sorted(ledger[k]["remote_id"] for k in ("c-0", "c-3"))
+        if vendor == "hubspot-batch":
+            assert ("archive", 2) in server.state.batch_calls
