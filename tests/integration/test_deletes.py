@@ -273,3 +273,39 @@ def test_a_requeue_never_touches_deleted_rows(engine: sa.Engine, target: TargetS
         )
         assert taken == []
         assert conn.execute(sa.select(ledger_table)).one()._asdict() == before
+
+
+class _Abandoned(BaseException):
+    """The in-process kill -9: the chain stops dead between a send and its settle."""
+
+
+def test_a_record_deleted_again_while_its_new_create_went_unsettled_leaves_no_copy(
+    engine: sa.Engine, target: TargetServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deleted, restored, its create under the new key sent and the chain killed before the
+    settle (the row still says `deleted`), then deleted again: the scan offers it all the same
+    (a create went out under its key), the create is replayed to learn the id, and that copy is
+    deleted."""
+    from delivery.store import ledger as ledger_store
+
+    w = world(engine, target, SENDING["grouped"])
+    w.load("a")
+    w.run()
+    w.load("a", deleted=True)
+    w.run()
+    w.load("a", note="back")
+
+    def dies(*_args: Any, **_kwargs: Any) -> Any:
+        raise _Abandoned
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ledger_store, "settle_many", dies)
+        patched.setattr(ledger_store, "settle", dies)
+        with pytest.raises(_Abandoned):
+            chains.drive(engine, "contacts-to-crm")
+    assert len(held_by(target, "a")) == 1 and w.ledger()["a"]["status"] == "deleted"
+    w.load("a", deleted=True)
+    w.run()
+    w.run()
+    assert held_by(target, "a") == []
+    assert w.ledger()["a"]["status"] == "deleted"
