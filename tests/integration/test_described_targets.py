@@ -441,7 +441,10 @@ def test_a_propagated_delete_reaches_each_vendor_as_it_documents(engine: sa.Engi
         ledger = _ledger(engine)
         assert report.counts == {"deleted": 2}, {k: r["last_error"] for k, r in ledger.items()}
         assert {k: r["status"] for k, r in ledger.items()} == {
-            "c-0": "delivered", "c-1": "deleted", "c-2": "deleted", "c-3": "delivered"
+            "c-0": "delivered",
+            "c-1": "deleted",
+            "c-2": "deleted",
+            "c-3": "delivered",
         }
         assert sorted(held) == sorted(ledger[k]["remote_id"] for k in ("c-0", "c-3"))
         if vendor == "hubspot-batch":
