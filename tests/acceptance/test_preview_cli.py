@@ -27,7 +27,7 @@ EXPECTED = [
     ("scan", "a", "update", "its mapped body differs from what was last delivered"),
     ("scan", "same", "suppress", "identical to what was last delivered"),
     ("scan", "ex", "skip", "parked: exhausted; only a requeue puts it back"),
-    ("scan", "b", "skip", "deleted in the source: the scan does not offer it (there is no delete verb)"),
+    ("scan", "b", "skip", "deleted in the source: the scan does not offer it (the rule's deletes: ignore)"),
     ("scan", "new", "create", "new record: no ledger row yet"),
 ]
 
