@@ -17,11 +17,11 @@ neighbours (the halves spend no attempt; only the record finally refused alone d
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
-from delivery import decisions
+from delivery import attempts, decisions
 from delivery.breaker import TargetBreaker
-from delivery.domain import Candidate, ChainEnd, Phase, Verb
+from delivery.domain import Candidate, ChainEnd, Outcome, Phase, Verb
 from delivery.errors import RuleFault, TargetUnavailable
 from delivery.grouped import GroupedJob, _Settle
 from delivery.job import JobContext
@@ -104,9 +104,10 @@ class BulkJob(GroupedJob):
             return None  # the batch is cut short: no call starts after that
         self.sent.update(indices)
         got: dict[int, Any] = {}
+        heard: dict[int, list[attempts.Exchange]] = {}
         cut: Cut | None = None
         try:
-            self._call(verb, indices, breaker, signals, got)
+            self._call(verb, indices, breaker, signals, got, heard)
         except RuleFault:  # a refused token, the traffic control failing: raised before anything applied
             self.sent.difference_update(i for i in indices if i not in got)
             raise
@@ -122,6 +123,7 @@ class BulkJob(GroupedJob):
             assert isinstance(plan, Send)
             candidate, intent = self.candidates[i], self.intents[i]
             outcome = step.item_outcome(candidate, plan, got[i], breaker)
+            outcome = cast("Outcome", step.with_tried(outcome, step.attempts_of(heard.get(i, []), verb)))
             if signals.over.is_set():
                 return None  # the job has ended: nothing settles after it
             settled = candidate if intent is None else Candidate(candidate.record, intent)
@@ -129,10 +131,17 @@ class BulkJob(GroupedJob):
         return cut
 
     def _call(
-        self, verb: Verb, indices: Sequence[int], breaker: TargetBreaker, signals: Signals, got: dict[int, Any]
+        self,
+        verb: Verb,
+        indices: Sequence[int],
+        breaker: TargetBreaker,
+        signals: Signals,
+        got: dict[int, Any],
+        heard: dict[int, list[attempts.Exchange]],
     ) -> None:
-        """One batch call for `indices`, its results put in `got`; a call refused as a whole is
-        split in halves, each sent again, down to one item (whose refusal is then its own fault)."""
+        """One batch call for `indices`, its results put in `got` and its requests in `heard`; a
+        call refused as a whole is split in halves, each sent again, down to one item (whose
+        refusal is then its own fault)."""
         step, rule = self.context.step, self.context.rule
         items: list[Any] = []
         for i in indices:
@@ -161,14 +170,19 @@ class BulkJob(GroupedJob):
             call = writer.delete_many
         assert call is not None
         try:
-            results = step.call(breaker, self.context.bounds(signals.stop), call, items)
+            with attempts.listening() as exchanges:
+                try:
+                    results = step.call(breaker, self.context.bounds(signals.stop), call, items)
+                finally:
+                    for i in indices:  # each item's history shows the call that carried it
+                        heard.setdefault(i, []).extend(exchanges)
         except BatchRefused as refused:
             if len(indices) == 1:
                 got[indices[0]] = refused.as_record_fault()
                 return
             half = len(indices) // 2
-            self._call(verb, indices[:half], breaker, signals, got)
-            self._call(verb, indices[half:], breaker, signals, got)
+            self._call(verb, indices[:half], breaker, signals, got, heard)
+            self._call(verb, indices[half:], breaker, signals, got, heard)
             return
         except TargetUnavailable as fault:
             fault.whole_call = True

@@ -101,6 +101,7 @@ class Chain:
         to the target's traffic control (a pause and its end)."""
         self.engine = engine
         self.clock = clock
+        self.flow_run_id = flow_run_id
         self._breaker_listeners = tuple(breaker_listeners)
         self._traffic_listeners = tuple(traffic_listeners)
         with engine.connect().execution_options(readonly=True) as conn:
@@ -187,7 +188,7 @@ class Chain:
                 TargetTraffic(self.engine, rule.target, self.clock, self._traffic_listeners),
             )
             self._waited_before += waited
-        self._step = RecordStep(rule, writer, token, self.clock, self._traffic)
+        self._step = RecordStep(rule, writer, token, self.clock, self._traffic, chain_run_id=self.flow_run_id)
 
     def _read_credentials(self, rule: Rule) -> dict[str, str]:
         """The secrets of the target's `auth`, each read now; one missing, or that no header can

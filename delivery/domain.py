@@ -410,6 +410,23 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Attempt:
+    """One request a record's step made, as its history keeps it (`delivery attempts`): when,
+    by which chain run, for which verb, the method and path (never a secret), the status code or
+    the transport error, how long it took, and the start of the answer (secrets masked)."""
+
+    at: datetime
+    verb: str
+    method: str
+    path: str
+    status_code: int | None
+    error: str | None
+    duration_ms: int
+    answer_excerpt: str | None
+    chain_run_id: str | None = None
+
+
+@dataclass(frozen=True)
 class Outcome:
     """What one attempt did to one record's ledger row."""
 
@@ -428,6 +445,8 @@ class Outcome:
     #: The row's Idempotency-Key moved on (`create_generation` is new): nothing was sent under it
     #: yet, so the first body sent under the old one is forgotten.
     key_renewed: bool = False
+    #: The requests that led to it, oldest first, written with it to the record's history.
+    tried: tuple[Attempt, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)

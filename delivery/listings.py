@@ -12,9 +12,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from delivery.domain import Connection, ConnectionStatus, LedgerStatus, Rule
-from delivery.errors import UnknownName
+from delivery.errors import InputError, UnknownName
 from delivery.status import connection_overview
-from delivery.store import catalog, ledger
+from delivery.store import attempts, catalog, ledger
 from delivery.store.catalog import Retirement
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "connection",
     "connections",
     "ledger_rows",
+    "record_history",
     "rule",
     "rules_with_counts",
     "set_connection_status",
@@ -61,3 +62,27 @@ def ledger_rows(
     if rule_name is not None:
         catalog.get_rule(conn, rule_name)
     return ledger.ledger_rows(conn, rule_name, status, limit)
+
+
+#: At most this many requests `delivery attempts` lists unless told otherwise, and at most.
+DEFAULT_ATTEMPTS = 50
+MAX_ATTEMPTS = 10_000
+
+
+def record_history(conn: sa.Connection, rule_name: str, external_id: str, limit: int) -> dict[str, Any]:
+    """A record's ledger row under the rule (None: the rule never wrote one) and the requests
+    its steps made, newest first, at most `limit`. `UnknownName` for a rule that does not exist,
+    `InputError` for a record its source has not mirrored."""
+    found = catalog.get_rule(conn, rule_name)
+    record_id = attempts.record_id(conn, found.source.id, found.domain, external_id)
+    if record_id is None:
+        raise InputError(
+            f"record {external_id!r}: source {found.source.name!r} has no such {found.domain!r} record in the mirror"
+        )
+    rows = ledger.ledger_rows(conn, found.name, external_id=external_id)
+    return {
+        "rule": found.name,
+        "external_id": external_id,
+        "ledger": rows[0] if rows else None,
+        "attempts": attempts.of_record(conn, found.id, record_id, limit),
+    }

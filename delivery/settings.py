@@ -39,6 +39,7 @@ DeadChainMinutes = Annotated[float, Field(gt=0, le=7 * 24 * 60, allow_inf_nan=Fa
 WaitStepSeconds = Annotated[float, Field(ge=1, le=3600, allow_inf_nan=False)]
 #: Seconds a batch may run: 1 to a day.
 BatchTimeoutSeconds = Annotated[float, Field(ge=1, le=86_400, allow_inf_nan=False)]
+KeepDays = Annotated[float, Field(gt=0, le=3650, allow_inf_nan=False)]
 
 
 class Settings(BaseSettings):
@@ -64,6 +65,8 @@ class Settings(BaseSettings):
     lock_wait_step_seconds: WaitStepSeconds = 15.0
     #: A batch running longer fails the chain (a task timeout, no retry).
     batch_timeout_seconds: BatchTimeoutSeconds = 600.0
+    #: How long a record's history of requests is kept (`delivery attempts`); the tick prunes it.
+    attempts_keep_days: KeepDays = 14.0
 
     @field_validator("database_url")
     @classmethod

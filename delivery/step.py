@@ -14,9 +14,10 @@ from collections.abc import Awaitable, Callable, Generator, Iterator
 from datetime import datetime
 from typing import Any
 
-from delivery import decisions
+from delivery import attempts, decisions
 from delivery.breaker import Refused, TargetBreaker
 from delivery.domain import (
+    Attempt,
     Candidate,
     ChainEnd,
     DeletePolicy,
@@ -99,12 +100,15 @@ class RecordStep:
         secret: str | None,
         clock: Callable[[], datetime],
         traffic: TargetTraffic | None = None,
+        chain_run_id: str | None = None,
     ) -> None:
         self.rule = rule
         self.writer = writer
         self.secret = secret
         self.clock = clock
         self.traffic = traffic
+        #: The chain's flow run, named in the record's history of each request it makes.
+        self.chain_run_id = chain_run_id
 
     def check(self, candidate: Candidate, phase: Phase) -> None:
         """A candidate the query should never have returned is a broken invariant, raised and never
@@ -202,17 +206,19 @@ class RecordStep:
         sending = self._sending(candidate, plan, breaker, asynchronous=False)
         answer: Any = None
         error: Exception | None = None
+        tried: list[Attempt] = []
         while True:
             try:
                 verb, args = sending.send(answer) if error is None else sending.throw(error)
             except StopIteration as done:
-                result: Outcome | ChainEnd | None = done.value
-                return result
+                return self.with_tried(done.value, tried)
             method = getattr(self.writer, verb.value)  # create, update, delete: the type offers it (`_sending`)
-            try:
-                answer, error = self.call(breaker, bounds, method, *args), None
-            except Exception as exc:
-                answer, error = None, exc
+            with attempts.listening() as heard:
+                try:
+                    answer, error = self.call(breaker, bounds, method, *args), None
+                except Exception as exc:
+                    answer, error = None, exc
+            tried.extend(self.attempts_of(heard, verb))
 
     async def carry_out_async(
         self,
@@ -246,17 +252,30 @@ class RecordStep:
         sending = self._sending(candidate, plan, breaker, asynchronous=True)
         answer: Any = None
         error: Exception | None = None
+        tried: list[Attempt] = []
         while True:
             try:
                 verb, args = sending.send(answer) if error is None else sending.throw(error)
             except StopIteration as done:
-                result: Outcome | ChainEnd | None = done.value
-                return result
+                return self.with_tried(done.value, tried)
             method = getattr(self.writer, f"a{verb.value}")  # acreate, aupdate, adelete
-            try:
-                answer, error = await self.call_async(breaker, bounds, off_loop, method, *args), None
-            except Exception as exc:
-                answer, error = None, exc
+            with attempts.listening() as heard:
+                try:
+                    answer, error = await self.call_async(breaker, bounds, off_loop, method, *args), None
+                except Exception as exc:
+                    answer, error = None, exc
+            tried.extend(self.attempts_of(heard, verb))
+
+    def attempts_of(self, heard: list[attempts.Exchange], verb: Verb) -> list[Attempt]:
+        """The requests heard during one call of `verb`, as the record's history keeps them."""
+        return [exchange.attempt(verb.value, self.chain_run_id) for exchange in heard]
+
+    @staticmethod
+    def with_tried(result: Outcome | ChainEnd | None, tried: list[Attempt]) -> Outcome | ChainEnd | None:
+        """`result` carrying the requests that led to it (an outcome; nothing else is settled)."""
+        if isinstance(result, Outcome) and tried:
+            return dataclasses.replace(result, tried=(*result.tried, *tried))
+        return result
 
     def _sending(
         self, candidate: Candidate, plan: Send, breaker: TargetBreaker, *, asynchronous: bool

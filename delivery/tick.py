@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 from delivery import decisions, liveness
 from delivery.domain import Rule
+from delivery.store import attempts as attempts_store
 from delivery.store import catalog, chains, ledger
 from delivery.writers.base import verbs_of
 from delivery.writers.registry import find_writer
@@ -119,6 +120,27 @@ def plan_tick(conn: sa.Connection, now: datetime, threshold: timedelta) -> TickP
     return plan
 
 
+#: The tick prunes a record's history in deletes of this many rows, at most `PRUNE_BATCHES` a tick:
+#: each a short transaction, so a backlog (a first tick after a long pause) never holds the
+#: database for long; what is left goes at the next tick.
+PRUNE_ROWS = 1000
+PRUNE_BATCHES = 50
+
+
+def prune_attempts(engine: sa.Engine, now: datetime, keep_days: float) -> int:
+    """Delete the requests older than `keep_days` from the records' histories, in bounded
+    deletes; how many went."""
+    before = now - timedelta(days=keep_days)
+    pruned = 0
+    for _ in range(PRUNE_BATCHES):
+        with engine.begin() as conn:
+            gone = attempts_store.prune(conn, before, PRUNE_ROWS)
+        pruned += gone
+        if gone < PRUNE_ROWS:
+            break
+    return pruned
+
+
 def record_launch(conn: sa.Connection, rule: str, now: datetime) -> str:
     """Record the chain before its run exists, so the next tick sees it alive while it waits."""
     return chains.start_chain(conn, catalog.get_rule(conn, rule).id, None, now)
@@ -135,6 +157,8 @@ class TickOutcome:
     plan: TickPlan
     started: dict[str, dict[str, Any]] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
+    #: Requests pruned from the records' histories (older than DELIVERY_ATTEMPTS_KEEP_DAYS).
+    attempts_pruned: int = 0
 
     def summary(self) -> str:
         plan = self.plan
@@ -176,5 +200,6 @@ class TickOutcome:
             "dead_replaced": len(self.plan.dead),
             "idle": len(self.plan.idle),
             "failed": list(self.failed),
+            "attempts_pruned": self.attempts_pruned,
             "rules": self.rules(),
         }

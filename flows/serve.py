@@ -33,6 +33,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from flows import stop_signals
 from flows.deliver_rule import deliver_rule
 from flows.preview import delivery_preview
+from flows.record import delivery_record
 from flows.requeue import delivery_requeue
 from flows.stop_signals import StopSignals
 from flows.tick import delivery_tick
@@ -147,7 +148,10 @@ class _Serving:
             if not await _unless_stopped(self._register(runner), stop):
                 return
             self.registered = True
-            _say("serving deliver-rule, delivery-requeue, delivery-preview, delivery-tick (every 5 min); Ctrl-C stops")
+            _say(
+                "serving deliver-rule, delivery-requeue, delivery-preview, delivery-record, "
+                "delivery-tick (every 5 min); Ctrl-C stops"
+            )
             started = asyncio.ensure_future(runner.start())
             stopping = asyncio.ensure_future(stop.wait())
             await asyncio.wait({started, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -162,6 +166,7 @@ class _Serving:
         await runner.aadd_deployment(await delivery_requeue.ato_deployment(name="delivery-requeue"))
         # What the next chain would do, from the UI: sends and writes nothing.
         await runner.aadd_deployment(await delivery_preview.ato_deployment(name="delivery-preview"))
+        await runner.aadd_deployment(await delivery_record.ato_deployment(name="delivery-record"))
         await runner.aadd_deployment(
             await delivery_tick.ato_deployment(name="delivery-tick", cron=TICK_CRON, concurrency_limit=TICK_CONCURRENCY)
         )

@@ -35,8 +35,8 @@ from delivery import liveness
 from delivery.clock import utcnow
 from delivery.db import shared_engine
 from delivery.errors import InputError
-from delivery.settings import dead_chain_minutes
-from delivery.tick import Launch, TickOutcome, attach_flow_run, plan_tick, record_launch
+from delivery.settings import dead_chain_minutes, settings
+from delivery.tick import Launch, TickOutcome, attach_flow_run, plan_tick, prune_attempts, record_launch
 from flows.deliver_rule import deliver_rule, launch_context, launched
 from flows.status_artifact import publish_status
 
@@ -127,6 +127,7 @@ async def delivery_tick(dead_after_minutes: float = 0) -> State[Any]:
     with engine.connect().execution_options(readonly=True) as conn:
         plan = plan_tick(conn, utcnow(), threshold)
     outcome = TickOutcome(plan)
+    outcome.attempts_pruned = prune_attempts(engine, utcnow(), settings().attempts_keep_days)
 
     for dead in plan.dead:
         message = f"judged dead by the tick: no heartbeat for {int(dead.silent_for.total_seconds())} s"

@@ -67,10 +67,11 @@ def known_flows() -> dict[str, Flow[Any, Any]]:
     """The flows this worker runs in process, by flow name: those of prefect.yaml's deployments."""
     from flows.deliver_rule import deliver_rule
     from flows.preview import delivery_preview
+    from flows.record import delivery_record
     from flows.requeue import delivery_requeue
     from flows.tick import delivery_tick
 
-    return {f.name: f for f in (deliver_rule, delivery_tick, delivery_requeue, delivery_preview)}
+    return {f.name: f for f in (deliver_rule, delivery_tick, delivery_requeue, delivery_preview, delivery_record)}
 
 
 @dataclass

@@ -12,6 +12,7 @@ from sqlalchemy.exc import IntegrityError
 
 from delivery.domain import Candidate, Cursor, DeletePolicy, LedgerRow, LedgerStatus, MirrorRecord, Outcome, Rule
 from delivery.errors import LedgerRowConflict
+from delivery.store import attempts
 from delivery.store.tables import ledger_table, mirror_records_table, rules_table
 
 _L = [c.label(f"l_{c.name}") for c in ledger_table.c]
@@ -317,7 +318,7 @@ def settle_many(
     inserts = [(c, o) for c, o in settles if c.ledger is None]
     updates = [(c, o) for c, o in settles if c.ledger is not None]
     if len(inserts) == 1:
-        settle(conn, rule, *inserts[0], now)
+        _settle(conn, rule, *inserts[0], now)
     elif inserts:
         params = [
             {
@@ -351,8 +352,10 @@ def settle_many(
             savepoint.rollback()
     for c, o in updates:
         if id(c) not in written:
-            written[id(c)] = settle(conn, rule, c, o, now)
-    return [True if c.ledger is None else written[id(c)] for c, _ in settles]
+            written[id(c)] = _settle(conn, rule, c, o, now)
+    done = [True if c.ledger is None else written[id(c)] for c, _ in settles]
+    attempts.write(conn, rule.id, [settled for settled, ok in zip(settles, done, strict=True) if ok])
+    return done
 
 
 def _settled_values(candidate: Candidate, outcome: Outcome, now: datetime) -> dict[str, Any]:
@@ -374,9 +377,17 @@ def _settled_values(candidate: Candidate, outcome: Outcome, now: datetime) -> di
 
 
 def settle(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outcome, now: datetime) -> bool:
-    """Write one record's outcome. The change signal it settles is the one the candidate carried.
-    Run in the transaction of the fence check that guards it. Returns False, writing nothing,
-    when the row's version moved since it was read: whoever wrote it (a requeue) keeps it."""
+    """Write one record's outcome, and the requests that led to it (its history). The change
+    signal it settles is the one the candidate carried. Run in the transaction of the fence check
+    that guards it. Returns False, writing nothing, when the row's version moved since it was
+    read: whoever wrote it (a requeue) keeps it."""
+    written = _settle(conn, rule, candidate, outcome, now)
+    if written:
+        attempts.write(conn, rule.id, [(candidate, outcome)])
+    return written
+
+
+def _settle(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outcome, now: datetime) -> bool:
     values = _settled_values(candidate, outcome, now)
     row = candidate.ledger
     if row is None:
@@ -411,7 +422,11 @@ def counts_by_status(conn: sa.Connection, rule_id: int) -> dict[str, int]:
 
 
 def ledger_rows(
-    conn: sa.Connection, rule: str | None = None, status: LedgerStatus | None = None, limit: int | None = None
+    conn: sa.Connection,
+    rule: str | None = None,
+    status: LedgerStatus | None = None,
+    limit: int | None = None,
+    external_id: str | None = None,
 ) -> list[dict[str, Any]]:
     query = (
         sa.select(
@@ -437,6 +452,8 @@ def ledger_rows(
         query = query.where(rules_table.c.name == rule)
     if status is not None:
         query = query.where(ledger_table.c.status == status.value)
+    if external_id is not None:
+        query = query.where(mirror_records_table.c.external_id == external_id)
     if limit is not None:
         query = query.limit(limit)
     return [row._asdict() for row in conn.execute(query)]

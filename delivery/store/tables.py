@@ -169,6 +169,29 @@ ledger_table = sa.Table(
     sa.Index(None, "rule_id", "status", "updated_at", "id"),
 )
 
+attempts_table = sa.Table(
+    # Every request a record's step made, written with the settle it belongs to (`delivery
+    # attempts RULE RECORD`), kept DELIVERY_ATTEMPTS_KEEP_DAYS days (the tick prunes older ones).
+    "delivery_attempts",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("rule_id", sa.Integer, nullable=False),
+    sa.Column("record_id", sa.BigInteger, nullable=False),
+    sa.Column("at", UTCDateTime, nullable=False),
+    sa.Column("chain_run_id", sa.String(64)),
+    sa.Column("verb", sa.String(20), nullable=False),
+    sa.Column("method", sa.String(10), nullable=False),
+    sa.Column("path", sa.String(2000), nullable=False),
+    sa.Column("status_code", sa.Integer),
+    sa.Column("error", sa.Text),
+    sa.Column("duration_ms", sa.Integer, nullable=False),
+    sa.Column("answer_excerpt", sa.Text),
+    sa.Column("outcome", sa.String(20), nullable=False),
+    # One record's history, newest first; and the pruning, oldest first.
+    sa.Index(None, "rule_id", "record_id", "at", "id"),
+    sa.Index(None, "at", "id"),
+)
+
 chains_table = sa.Table(
     "chains",
     metadata,

@@ -41,15 +41,17 @@ import functools
 import json
 import math
 import ssl
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC
+from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, cast
 from urllib.parse import quote
 
 import httpx
 
+from delivery import attempts
 from delivery.clock import utcnow
 from delivery.domain import BatchEndpoints, BatchShape, Connection, Forbidden, MirrorRecord, RequestShape
 from delivery.errors import (
@@ -281,6 +283,16 @@ class _RestWriter(Writer):
 
     async def _asend(self, method: str, path: str, body: Mapping[str, Any] | None, headers: dict[str, str]) -> _Answer:
         content = self._encode(method, path, body)
+        started, clock = utcnow(), time.monotonic()
+        try:
+            answer = await self._aexchange(method, path, content, headers)
+        except TargetUnavailable as fault:
+            self._tell(method, path, started, clock, None, str(fault))
+            raise
+        self._tell(method, path, started, clock, answer, None)
+        return answer
+
+    async def _aexchange(self, method: str, path: str, content: bytes, headers: dict[str, str]) -> _Answer:
         pools = self._apools
         if pools is None:
             raise RuntimeError("an async verb before aopen(): the job opens the writer on its loop")
@@ -298,6 +310,37 @@ class _RestWriter(Writer):
         return _Answer(response)
 
     def _send_content(self, method: str, path: str, content: bytes, headers: dict[str, str]) -> _Answer:
+        started, clock = utcnow(), time.monotonic()
+        try:
+            answer = self._exchange(method, path, content, headers)
+        except TargetUnavailable as fault:
+            self._tell(method, path, started, clock, None, str(fault))
+            raise
+        self._tell(method, path, started, clock, answer, None)
+        return answer
+
+    def _tell(
+        self, method: str, path: str, started: datetime, clock: float, answer: _Answer | None, error: str | None
+    ) -> None:
+        """The request for the record's history (`delivery.attempts`), its answer's start masked."""
+        excerpt = None
+        if answer is not None:
+            text = answer.response.text if answer.undecodable is None else f"<not decodable: {answer.undecodable}>"
+            # Masked before the cut (a token straddling it would leak its start), on a bounded part.
+            excerpt = self._clean(text[: attempts.EXCERPT_CHARS * 4])[: attempts.EXCERPT_CHARS] or None
+        attempts.heard(
+            attempts.Exchange(
+                at=started,
+                method=method,
+                path=path,
+                status_code=answer.status_code if answer is not None else None,
+                error=error,
+                duration_ms=round((time.monotonic() - clock) * 1000),
+                answer_excerpt=excerpt,
+            )
+        )
+
+    def _exchange(self, method: str, path: str, content: bytes, headers: dict[str, str]) -> _Answer:
         request = self._client.build_request(method, path, content=content, headers=self._headers(headers, content))
         with self._transport_faults(method, path):
             # Streamed so that a body httpx cannot decode still leaves us the status code to judge by.

@@ -61,6 +61,52 @@ def show_ledger(
     )
 
 
+@app.command("attempts")
+def show_attempts(
+    rule: Annotated[str, typer.Argument(help="Rule name.")],
+    record_id: Annotated[str, typer.Argument(help="The record's id in the source (its external id).")],
+    limit: Annotated[
+        int,
+        typer.Option("--limit", min=1, max=listings.MAX_ATTEMPTS, help="At most this many requests, newest first."),
+    ] = listings.DEFAULT_ATTEMPTS,
+    as_json: JsonFlag = False,
+) -> None:
+    """A record's history under RULE: every request its chains made, newest first, with the chain
+    run, verb, method and path, status code or transport error, duration, the start of the answer
+    (secrets masked) and the outcome it led to. Kept DELIVERY_ATTEMPTS_KEEP_DAYS days (14).
+    Exit 2 for an unknown rule or a record the rule's source has not mirrored."""
+    with read_only() as conn:
+        history = listings.record_history(conn, rule, record_id, limit)
+    tried = history["attempts"]
+    if as_json:
+        print_json([{**a, "at": iso(a["at"])} for a in tried])
+        return
+    row = history["ledger"]
+    if row is None:
+        say(f"{rule} / {record_id}: no ledger row (this rule has not settled it yet)")
+    else:
+        flags = " (delete in doubt)" if row["deleting"] else " (in doubt)" if row["in_doubt"] else ""
+        say(
+            f"{rule} / {record_id}: {row['status']}{flags}, remote id {row['remote_id'] or '-'}, "
+            f"{row['attempts']} attempt{'' if row['attempts'] == 1 else 's'} counted"
+        )
+    show(
+        [
+            {
+                "at": iso(a["at"]) or "-",
+                "request": f"{a['verb']}: {a['method']} {a['path']}",
+                "answer": str(a["status_code"]) if a["status_code"] is not None else (a["error"] or "-"),
+                "ms": str(a["duration_ms"]),
+                "outcome": a["outcome"],
+                "excerpt": (a["answer_excerpt"] or "-")[:120],
+                "chain run": a["chain_run_id"] or "-",
+            }
+            for a in tried
+        ],
+        empty="no requests recorded for this record (none made, or older than DELIVERY_ATTEMPTS_KEEP_DAYS)",
+    )
+
+
 def _parse_time(value: str) -> datetime:
     from datetime import UTC
 

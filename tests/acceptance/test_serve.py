@@ -50,7 +50,7 @@ def test_serve_starts_a_local_server_serves_both_flows_and_stops_cleanly(tmp_pat
         assert f"Prefect UI: http://127.0.0.1:{port}" in first
         names: list[str] = []
         deadline = time.monotonic() + 90
-        served = ["deliver-rule", "delivery-preview", "delivery-requeue", "delivery-tick"]
+        served = ["deliver-rule", "delivery-preview", "delivery-record", "delivery-requeue", "delivery-tick"]
         while time.monotonic() < deadline and sorted(names) != served:
             time.sleep(1)
             answer = httpx.post(f"{api}/deployments/filter", json={}, timeout=10)

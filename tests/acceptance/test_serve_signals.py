@@ -48,7 +48,7 @@ from tests.target_server import Answer, TargetServer
 
 DELIVERY = str(Path(sys.executable).parent / "delivery")
 MARK = "DELIVERY_SERVE_TEST_MARK"
-SERVED = ["deliver-rule", "delivery-preview", "delivery-requeue", "delivery-tick"]
+SERVED = ["deliver-rule", "delivery-preview", "delivery-record", "delivery-requeue", "delivery-tick"]
 # Runs at random delays per way of serving, on top of the aimed ones and the double signal: a
 # small budget in `make test` (each run with its own server costs 10-15 s), more under
 # `make fuzz` (HYPOTHESIS_PROFILE=fuzz), as the property-based tests do.

@@ -284,6 +284,7 @@ def _nulls(schema: Any) -> list[Any]:
 def test_every_deployment_form_describes_each_parameter_with_a_control_the_ui_renders(api: str) -> None:
     names = ["deliver-rule/deliver-rule", "delivery-tick/delivery-tick"]
     names += ["delivery-requeue/delivery-requeue", "delivery-preview/delivery-preview"]
+    names += ["delivery-record/delivery-record"]
     schemas = {
         name: _call(lambda client, n=name: client.read_deployment_by_name(n)).parameter_openapi_schema for name in names
     }

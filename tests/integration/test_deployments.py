@@ -41,7 +41,14 @@ def deployments() -> dict[str, dict[str, Any]]:
 
 
 def test_prefect_yaml_declares_both_deployments_on_the_delivery_pool(deployments: dict[str, dict[str, Any]]) -> None:
-    assert set(deployments) == {"deliver-rule", "delivery-tick", "delivery-requeue", "delivery-preview"}
+    assert set(deployments) == {
+        "deliver-rule",
+        "delivery-tick",
+        "delivery-requeue",
+        "delivery-preview",
+        "delivery-record",
+    }
+    assert deployments["delivery-record"]["entrypoint"] == "flows/record.py:delivery_record"
     assert deployments["delivery-requeue"]["entrypoint"] == "flows/requeue.py:delivery_requeue"
     assert deployments["delivery-preview"]["entrypoint"] == "flows/preview.py:delivery_preview"
     assert deployments["deliver-rule"]["entrypoint"] == "flows/deliver_rule.py:deliver_rule"
@@ -53,7 +60,9 @@ def test_prefect_yaml_declares_both_deployments_on_the_delivery_pool(deployments
     assert not deployments["deliver-rule"].get("schedules")  # the tick starts chains, not a schedule
 
 
-@pytest.mark.parametrize("name", ["deliver-rule", "delivery-tick", "delivery-requeue", "delivery-preview"])
+@pytest.mark.parametrize(
+    "name", ["deliver-rule", "delivery-tick", "delivery-requeue", "delivery-preview", "delivery-record"]
+)
 def test_each_entrypoint_loads_a_flow_named_as_its_deployment_with_no_retries(
     deployments: dict[str, dict[str, Any]], name: str
 ) -> None:
@@ -74,6 +83,11 @@ def test_each_entrypoint_loads_a_flow_named_as_its_deployment_with_no_retries(
         assert all(properties[p].get("description") for p in properties)
         assert properties["limit"]["default"] == 50
         assert (properties["limit"]["minimum"], properties["limit"]["maximum"]) == (1, 10_000)
+    if name == "delivery-record":
+        properties = loaded.parameters.properties
+        assert loaded.parameters.required == ["rule", "record_id"]
+        assert set(properties) == {"rule", "record_id", "limit"}
+        assert all(properties[p].get("description") for p in properties)
 
 
 def test_subflows_and_the_batch_task_have_no_retries() -> None:

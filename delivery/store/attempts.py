@@ -1,0 +1,88 @@
+"""A record's history of requests (`delivery_attempts`): written with the settle each belongs to,
+read newest first (one index seek), pruned in bounded deletes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from delivery.domain import Candidate, Outcome
+from delivery.store.tables import attempts_table, mirror_records_table
+
+#: Built once: written with every settle that carries requests.
+_INSERT = attempts_table.insert()
+
+
+def write(conn: sa.Connection, rule_id: int, settled: Sequence[tuple[Candidate, Outcome]]) -> None:
+    """The requests behind each settled outcome, in the caller's transaction (the settle's): no
+    commit of their own. One executemany for all of them."""
+    rows = [
+        {
+            "rule_id": rule_id,
+            "record_id": candidate.record.id,
+            "at": attempt.at,
+            "chain_run_id": attempt.chain_run_id,
+            "verb": attempt.verb,
+            "method": attempt.method,
+            "path": attempt.path[:2000],
+            "status_code": attempt.status_code,
+            "error": attempt.error,
+            "duration_ms": attempt.duration_ms,
+            "answer_excerpt": attempt.answer_excerpt,
+            "outcome": outcome.status.value,
+        }
+        for candidate, outcome in settled
+        for attempt in outcome.tried
+    ]
+    if rows:
+        conn.execute(_INSERT, rows)
+
+
+#: The fields of one attempt as `delivery attempts --json` prints them, in order.
+FIELDS = (
+    "at",
+    "chain_run_id",
+    "verb",
+    "method",
+    "path",
+    "status_code",
+    "error",
+    "duration_ms",
+    "answer_excerpt",
+    "outcome",
+)
+
+
+def of_record(conn: sa.Connection, rule_id: int, record_id: int, limit: int) -> list[dict[str, Any]]:
+    """The record's requests under the rule, newest first, at most `limit`."""
+    t = attempts_table
+    query = (
+        sa.select(*(t.c[name] for name in FIELDS))
+        .where(t.c.rule_id == rule_id, t.c.record_id == record_id)
+        .order_by(t.c.at.desc(), t.c.id.desc())
+        .limit(limit)
+    )
+    return [row._asdict() for row in conn.execute(query)]
+
+
+def prune(conn: sa.Connection, before: datetime, limit: int) -> int:
+    """Delete at most `limit` of the oldest requests made before `before` (one bounded delete,
+    an index seek on `at`); how many went. Called again until it deletes fewer than `limit`."""
+    t = attempts_table
+    oldest = sa.select(t.c.id).where(t.c.at < sa.literal(before, t.c.at.type)).order_by(t.c.at, t.c.id).limit(limit)
+    ids = [row_id for (row_id,) in conn.execute(oldest)]
+    if ids:
+        conn.execute(t.delete().where(t.c.id.in_(ids)))
+    return len(ids)
+
+
+def record_id(conn: sa.Connection, source_id: int, domain: str, external_id: str) -> int | None:
+    """The mirror's id of the record `external_id` of that source and domain, or None."""
+    m = mirror_records_table
+    found = conn.execute(
+        sa.select(m.c.id).where(m.c.source_id == source_id, m.c.domain == domain, m.c.external_id == external_id)
+    ).scalar()
+    return None if found is None else int(found)

@@ -1,0 +1,155 @@
+"""A record's history (issue 32, point 5), on SQLite and PostgreSQL against the real local target:
+every request a record's step made is written with the settle it belongs to (time, chain run,
+verb, method and path, status code or transport error, duration, the answer's start with secrets
+masked, the outcome), read newest first, and pruned by the tick in bounded deletes."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from delivery import listings
+from delivery.clock import utcnow
+from delivery.store import attempts as attempts_store
+from delivery.store.tables import attempts_table
+from delivery.tick import PRUNE_ROWS, prune_attempts
+from tests.integration.world import SHORT_TIMEOUT_SECONDS, World, email
+from tests.support import chains
+from tests.target_server import Answer, TargetServer
+
+RULE = "contacts-to-crm"
+SECRET = "s3cr3t-token-value"
+
+
+def history(engine: sa.Engine, external_id: str, limit: int = 50) -> dict[str, Any]:
+    with engine.connect() as conn:
+        return listings.record_history(conn, RULE, external_id, limit)
+
+
+def test_each_request_is_kept_with_its_outcome_newest_first(engine: sa.Engine, target: TargetServer) -> None:
+    w = World(engine, target, through_prefect=False).apply()
+    target.program(email("a"), Answer.status(503, {"error": "busy"}))
+    w.load("a")
+    w.run()
+    w.make_due()
+    w.run()
+    w.load("a", note="changed")
+    w.run()
+    found = history(engine, "a")
+    assert found["ledger"]["status"] == "delivered"
+    tried = found["attempts"]
+    assert [(a["verb"], a["method"], a["status_code"], a["outcome"]) for a in tried] == [
+        ("update", "PATCH", 200, "delivered"),
+        ("create", "POST", 201, "delivered"),
+        ("create", "POST", 503, "failed"),
+    ]
+    remote = found["ledger"]["remote_id"]
+    assert tried[0]["path"] == f"contacts/{remote}" and tried[2]["path"] == "contacts"
+    assert tried[2]["answer_excerpt"] == '{"error": "busy"}' and tried[2]["error"] is None
+    assert set(tried[0]) == set(attempts_store.FIELDS)
+    assert all(a["duration_ms"] >= 0 and a["at"] <= utcnow() for a in tried)
+    assert tried[0]["at"] >= tried[1]["at"] >= tried[2]["at"]
+    assert history(engine, "a", limit=1)["attempts"] == tried[:1]
+
+
+def test_a_transport_error_has_no_status_code_and_says_what_happened(engine: sa.Engine, target: TargetServer) -> None:
+    w = World(engine, target, through_prefect=False).apply()
+    w.set_timeout(SHORT_TIMEOUT_SECONDS)
+    target.program(email("a"), Answer.timeout(1.0))
+    w.load("a")
+    w.run()
+    (tried,) = history(engine, "a")["attempts"]
+    assert tried["status_code"] is None and "timed out" in tried["error"] and tried["outcome"] == "failed"
+
+
+def test_an_answer_echoing_the_token_is_kept_masked(engine: sa.Engine, target: TargetServer) -> None:
+    w = World(engine, target, through_prefect=False).apply()
+    target.program(email("a"), Answer.echo_headers(422))
+    w.load("a")
+    w.run()
+    (tried,) = history(engine, "a")["attempts"]
+    assert tried["status_code"] == 422 and tried["answer_excerpt"]
+    assert SECRET not in tried["answer_excerpt"] and "***" in tried["answer_excerpt"]
+    assert len(tried["answer_excerpt"]) <= 500
+
+
+def test_a_batch_call_is_in_the_history_of_each_record_it_carried(engine: sa.Engine, target: TargetServer) -> None:
+    w = World(engine, target, through_prefect=False).apply(
+        target={"batch": {"create_path": "contacts/batch", "update_path": "contacts/batch"}}
+    )
+    w.load("a", "b")
+    w.run()
+    for external_id in ("a", "b"):
+        (tried,) = history(engine, external_id)["attempts"]
+        assert (tried["method"], tried["path"], tried["status_code"], tried["outcome"]) == (
+            "POST",
+            "contacts/batch",
+            200,
+            "delivered",
+        )
+
+
+def test_the_chain_run_is_named(engine: sa.Engine, target: TargetServer) -> None:
+    World(engine, target, through_prefect=False).apply().load("a")
+    chains.run(engine, RULE, flow_run_id="run-1234")
+    (tried,) = history(engine, "a")["attempts"]
+    assert tried["chain_run_id"] == "run-1234"
+
+
+def test_the_tick_prunes_what_is_older_than_the_keep_days_in_bounded_deletes(
+    engine: sa.Engine, target: TargetServer
+) -> None:
+    w = World(engine, target, through_prefect=False).apply()
+    w.load("a")
+    w.run()
+    now = utcnow()
+    old = [
+        {
+            "rule_id": 1,
+            "record_id": 1,
+            "at": now - timedelta(days=20, seconds=i),
+            "verb": "create",
+            "method": "POST",
+            "path": "contacts",
+            "duration_ms": 1,
+            "outcome": "failed",
+        }
+        for i in range(PRUNE_ROWS + 5)
+    ]
+    with engine.begin() as conn:
+        conn.execute(attempts_table.insert(), old)
+    assert prune_attempts(engine, now, keep_days=14) == PRUNE_ROWS + 5
+    with engine.connect() as conn:
+        left = conn.execute(sa.select(sa.func.count()).select_from(attempts_table)).scalar_one()
+    assert left == 1  # the recent one stays
+
+
+def test_the_delivery_record_flow_publishes_the_row_and_its_requests(
+    prefect_api: None, engine: sa.Engine, target: TargetServer
+) -> None:
+    import asyncio
+    import json
+
+    from flows.record import artifact_key, delivery_record
+    from tests.integration.runs import run_artifacts
+
+    w = World(engine, target, through_prefect=False).apply()
+    target.program(email("c-42"), Answer.status(503, {"error": "busy"}))
+    w.load("c-42")
+    w.run()
+
+    async def run(**parameters: Any) -> Any:
+        return await delivery_record(**parameters, return_state=True)
+
+    state = asyncio.run(run(rule=RULE, record_id="c-42"))
+    assert state.is_completed(), state
+    found = run_artifacts(str(state.state_details.flow_run_id))[artifact_key(RULE, "c-42")]
+    rows = json.loads(found.data) if isinstance(found.data, str) else found.data
+    assert [(r["verb"], r["request"], r["answer"], r["outcome"]) for r in rows] == [
+        ("create", "POST contacts", 503, "failed")
+    ]
+    assert "**contacts-to-crm** / **c-42**: `failed`" in found.description
+    refused = asyncio.run(run(rule=RULE, record_id="nobody"))
+    assert refused.is_failed() and "no such 'contact' record" in refused.message
