@@ -402,6 +402,8 @@ class Chain:
                 status,
                 getattr(rows.get(c.record.id), "last_error", None),
                 getattr(rows.get(c.record.id), "next_attempt_at", None),
+                held=status is LedgerStatus.FAILED
+                and getattr(rows.get(c.record.id), "attempts", None) == (c.ledger.attempts if c.ledger else 0),
             )
             for c, status in left
             if status is not None

@@ -458,6 +458,8 @@ class LeftBehind:
     status: LedgerStatus
     error: str | None
     next_attempt_at: datetime | None = None
+    #: Left failed without an attempt spent: held by the target's pause (or its outage proof).
+    held: bool = False
 
 
 @dataclass

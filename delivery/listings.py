@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from delivery.domain import Connection, ConnectionStatus, LedgerStatus, Rule
 from delivery.errors import InputError, UnknownName
 from delivery.status import connection_overview
-from delivery.store import attempts, catalog, ledger
+from delivery.store import attempts, catalog, ledger, traffic
 from delivery.store.catalog import Retirement
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "connections",
     "ledger_rows",
     "record_history",
+    "resume_target",
     "rule",
     "rules_with_counts",
     "set_connection_status",
@@ -43,6 +44,20 @@ def connection(conn: sa.Connection, name: str, now: datetime) -> dict[str, Any]:
 
 def set_connection_status(conn: sa.Connection, name: str, status: ConnectionStatus) -> None:
     catalog.set_connection_status(conn, name, status)
+
+
+def resume_target(conn: sa.Connection, name: str, now: datetime) -> dict[str, Any] | None:
+    """End connection `name`'s pause by hand now (recorded on its traffic row): what it was
+    (`paused_at`, `paused_until`, `reason`), or None when it was not paused. `UnknownName` if none."""
+    found = [c for c in catalog.list_connections(conn) if c.name == name]
+    if not found:
+        raise UnknownName(f"no connection named {name!r}")
+    row = traffic.end_pause_by_hand(
+        conn, found[0].id, now, f"ended by hand with `delivery connection-status {name} --resume`"
+    )
+    if row is None:
+        return None
+    return {"paused_at": row.paused_at, "paused_until": row.paused_until, "reason": row.pause_reason}
 
 
 def rule(conn: sa.Connection, name: str) -> Rule:

@@ -145,6 +145,7 @@ def connection_overview(conn: sa.Connection, now: datetime) -> list[dict[str, An
                 "sent_today": sent_today(row, now),
                 "paused_until": until.isoformat() if until else None,
                 "pause_reason": row.pause_reason if until is not None and row is not None else None,
+                "resumed_by_hand_at": row.resumed_at.isoformat() if row is not None and row.resumed_at else None,
                 "max_pause_seconds": c.max_pause_seconds,
                 "traffic": traffic_text(c, row, now),
                 "base_url": masked_url(c.base_url),

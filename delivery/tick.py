@@ -162,9 +162,10 @@ class TickOutcome:
 
     def summary(self) -> str:
         plan = self.plan
+        # The count started first: what an operator scanning the tick runs looks for.
         text = (
-            f"{len(plan.start)} started, {len(plan.alive)} alive left alone, {len(plan.dead)} dead replaced, "
-            f"{len(plan.idle)} idle (nothing to do)"
+            f"{len(plan.start)} started, {len(plan.idle)} idle, {len(plan.dead)} dead replaced, "
+            f"{len(plan.alive)} running left alone"
         )
         return text + (f"; chains failed: {', '.join(self.failed)}" if self.failed else "")
 

@@ -34,6 +34,10 @@ MIN_PAUSE_SECONDS = 1.0
 MAX_RESENDS = 3
 #: How often a wait on an event loop looks at the job's stop signal.
 STOP_STEP_SECONDS = 0.05
+#: A wait longer than this is announced as it begins (`TrafficListener.waiting`), once per what is
+#: waited for, and again after `WAIT_NOTICE_REPEAT_SECONDS` of waiting for the same.
+WAIT_NOTICE_SECONDS = 1.0
+WAIT_NOTICE_REPEAT_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,10 @@ class TrafficListener:
     def resumed(self, target: str, paused_at: datetime | None, until: datetime | None) -> None:
         """Override."""
 
+    def waiting(self, target: str, until: datetime, what: str) -> None:
+        """A sender of this chain begins a wait of more than `WAIT_NOTICE_SECONDS` for the target's
+        traffic, until `until`, for `what` (its pause, its rate budget). Override."""
+
 
 class TargetTraffic:
     """One chain's view of a target's traffic; thread-safe (the chain's workers share it)."""
@@ -73,6 +81,8 @@ class TargetTraffic:
         self._lock = threading.Lock()
         self._waited = 0.0
         self._pause: tuple[float, Held | None] | None = None
+        #: The last wait announced: what for, and until when (see `_announce`).
+        self._announced: tuple[str, datetime] | None = None
         # One read when the chain opens; a write only for a target never sent to, or a pause that
         # ended while no chain was sending (it ends here, and is told of as over).
         now = clock()
@@ -100,6 +110,7 @@ class TargetTraffic:
             got = self._take(now, bounds.deadline)
             if isinstance(got, Slot):
                 waits = got.at > self.clock()  # a slot for now was read with the pause: no wait, no read
+                self._announce(got.at, "its rate budget")
                 if not self._wait(got.at, bounds):
                     return False
                 if waits and self._paused_meanwhile():
@@ -109,6 +120,7 @@ class TargetTraffic:
                 return True
             if got.until > bounds.deadline:
                 raise TrafficHeld(self.target.name, got.until, got.reason)
+            self._announce(got.until, f"its pause ({got.reason})" if got.paused else f"its rate budget ({got.reason})")
             if not self._wait(got.until, bounds):
                 return False
             if got.paused:
@@ -124,6 +136,7 @@ class TargetTraffic:
             got = await off_loop(self._take, now, bounds.deadline)
             if isinstance(got, Slot):
                 waits = got.at > self.clock()
+                self._announce(got.at, "its rate budget")
                 if not await self._wait_async(got.at, bounds):
                     return False
                 if waits and await off_loop(self._paused_meanwhile):
@@ -133,6 +146,7 @@ class TargetTraffic:
                 return True
             if got.until > bounds.deadline:
                 raise TrafficHeld(self.target.name, got.until, got.reason)
+            self._announce(got.until, f"its pause ({got.reason})" if got.paused else f"its rate budget ({got.reason})")
             if not await self._wait_async(got.until, bounds):
                 return False
             if got.paused:
@@ -162,7 +176,7 @@ class TargetTraffic:
         when the pause ends."""
         now = self.clock()
         until = self.pause_end(fault, now)
-        reason = f"HTTP {fault.status_code or '-'} with Retry-After {fault.retry_after_seconds:g} s"
+        reason = f"HTTP {fault.status_code or '-'}, Retry-After {fault.retry_after_seconds:g} s"
         with self.engine.begin() as conn:
             news = store.pause(conn, self.target.id, until, reason, now)
         with self._lock:
@@ -233,6 +247,20 @@ class TargetTraffic:
         if limit is None or limit.per_second is None:
             return False
         return (self.clock() - slot).total_seconds() > late_allowance(limit.per_second)
+
+    def _announce(self, until: datetime, what: str) -> None:
+        """Tell the listeners a wait of more than `WAIT_NOTICE_SECONDS` begins: once for what it
+        waits for, again only after `WAIT_NOTICE_REPEAT_SECONDS` (a saturated budget makes every
+        sender wait in turn; the run log needs to hear of it, not of each of them)."""
+        if (until - self.clock()).total_seconds() <= WAIT_NOTICE_SECONDS or not self.listeners:
+            return
+        with self._lock:
+            last = self._announced
+            if last is not None and last[0] == what and (until - last[1]).total_seconds() < WAIT_NOTICE_REPEAT_SECONDS:
+                return
+            self._announced = (what, until)
+        for listener in self.listeners:
+            listener.waiting(self.target.name, until, what)
 
     def _wait(self, until: datetime, bounds: JobBounds) -> bool:
         seconds = (until - self.clock()).total_seconds()

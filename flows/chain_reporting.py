@@ -228,6 +228,13 @@ class ChainReporter:
             why = " ".join((left.error or "no error recorded").split())[:300]
             if left.status is LedgerStatus.FAILED:
                 due = left.next_attempt_at.isoformat(timespec="seconds") if left.next_attempt_at else "not set"
+                if left.held:
+                    # Held back by the target (its pause), no fault of the record's: no attempt spent.
+                    self.run_logger.warning(
+                        "rule %s: record %s held by target %s (no attempt spent), sent again from %s: %s",
+                        rule.name, left.external_id, rule.target.name, due, why,
+                    )  # fmt: skip
+                    continue
                 self.run_logger.warning(
                     "rule %s: record %s failed, next attempt %s: %s", rule.name, left.external_id, due, why
                 )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from datetime import UTC
 from typing import Any
 from uuid import UUID
 
@@ -103,7 +104,16 @@ async def _launch_all(engine: sa.Engine, launches: list[Launch], outcome: TickOu
                 group.create_task(one(launch))
 
 
-@flow(name="delivery-tick", retries=0)
+def tick_run_name() -> str:
+    """`tick HH:MM`, the UTC minute the run was scheduled for (or started, run by hand): a list of
+    tick runs then reads as a timeline."""
+    from prefect.runtime import flow_run
+
+    when = flow_run.scheduled_start_time or utcnow()
+    return f"tick {when.astimezone(UTC):%H:%M}"
+
+
+@flow(name="delivery-tick", flow_run_name=tick_run_name, retries=0)
 async def delivery_tick(dead_after_minutes: float = 0) -> State[Any]:
     """Start a chain for every enabled rule that has none alive and something to do; replace the
     dead ones.

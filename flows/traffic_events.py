@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from prefect.events import emit_event
@@ -42,6 +42,16 @@ class RunTrafficListener(TrafficListener):
     def resumed(self, target: str, paused_at: datetime | None, until: datetime | None) -> None:
         self._context.copy().run(self._resumed, target, paused_at, until)
 
+    def waiting(self, target: str, until: datetime, what: str) -> None:
+        self._context.copy().run(self._waiting, target, until, what)
+
+    def _waiting(self, target: str, until: datetime, what: str) -> None:
+        # One line, said as the wait begins, so a chain held for minutes says why at once.
+        self.logger.info(
+            "waiting until %s UTC for target %s's %s", until.astimezone(UTC).strftime("%H:%M:%S"), target,
+            what.removeprefix("its "),
+        )  # fmt: skip
+
     def _paused(self, target: str, until: datetime, reason: str) -> None:
         when = until.isoformat(timespec="seconds")
         self.logger.warning(
@@ -59,11 +69,17 @@ class RunTrafficListener(TrafficListener):
         self._emit(RESUMED, target, payload)
 
     def _emit(self, event: str, target: str, payload: dict[str, Any]) -> None:
-        related = []
-        if self.flow_run_id:
-            run = f"prefect.flow-run.{self.flow_run_id}"
-            related.append({"prefect.resource.id": run, "prefect.resource.role": "flow-run"})
-        try:
-            emit_event(event=event, resource=connection_resource(target), related=related, payload=payload)
-        except Exception as exc:  # an alert lost is no reason to fail a record's delivery
-            log.warning("could not emit %s for target %s: %s", event, target, exc)
+        emit(event, target, payload, self.flow_run_id)
+
+
+def emit(event: str, target: str, payload: dict[str, Any], flow_run_id: str | None = None) -> None:
+    """Emit `event` about connection `target` (related to the flow run, if any); a failure to emit
+    is logged, never raised: an alert lost is no reason to fail anything else."""
+    related = []
+    if flow_run_id:
+        run = f"prefect.flow-run.{flow_run_id}"
+        related.append({"prefect.resource.id": run, "prefect.resource.role": "flow-run"})
+    try:
+        emit_event(event=event, resource=connection_resource(target), related=related, payload=payload)
+    except Exception as exc:
+        log.warning("could not emit %s for target %s: %s", event, target, exc)

@@ -496,14 +496,14 @@ def left_behind_since(
 
 
 def left_behind_of(conn: sa.Connection, rule_id: int, record_ids: Sequence[int]) -> dict[int, Any]:
-    """The error and next attempt of the rule's rows for these records (one job's worth: a seek on
-    the (rule, record) key), by record id."""
+    """The error, next attempt and attempts of the rule's rows for these records (one job's worth:
+    a seek on the (rule, record) key), by record id."""
     if not record_ids:
         return {}
     rows = conn.execute(
-        sa.select(ledger_table.c.record_id, ledger_table.c.last_error, ledger_table.c.next_attempt_at).where(
-            ledger_table.c.rule_id == rule_id, ledger_table.c.record_id.in_(list(record_ids))
-        )
+        sa.select(
+            ledger_table.c.record_id, ledger_table.c.last_error, ledger_table.c.next_attempt_at, ledger_table.c.attempts
+        ).where(ledger_table.c.rule_id == rule_id, ledger_table.c.record_id.in_(list(record_ids)))
     )
     return {row.record_id: row for row in rows}
 

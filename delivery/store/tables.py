@@ -262,6 +262,9 @@ target_traffic_table = sa.Table(
     sa.Column("paused_at", UTCDateTime),
     sa.Column("paused_until", UTCDateTime),
     sa.Column("pause_reason", sa.String(1000)),
+    # The last pause an operator ended by hand (`delivery connection-status NAME --resume`).
+    sa.Column("resumed_at", UTCDateTime),
+    sa.Column("resumed_note", sa.String(1000)),
 )
 
 breaker_states_table = sa.Table(

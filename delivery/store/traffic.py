@@ -31,6 +31,8 @@ class TrafficRow:
     paused_at: datetime | None
     paused_until: datetime | None
     pause_reason: str | None
+    resumed_at: datetime | None = None
+    resumed_note: str | None = None
 
 
 def ensure_row(engine: sa.Engine, connection_id: int) -> None:
@@ -109,6 +111,26 @@ def end_pause(conn: sa.Connection, connection_id: int, now: datetime) -> Traffic
         .values(paused_until=None, paused_at=None, pause_reason=None)
     )
     return TrafficRow(**row._asdict()) if cleared.rowcount == 1 else None
+
+
+def end_pause_by_hand(conn: sa.Connection, connection_id: int, now: datetime, note: str) -> TrafficRow | None:
+    """End the target's pause now, whether it is over or not, recording when and `note`. Returns
+    the row as it was, or None when the target was not paused."""
+    row = conn.execute(
+        sa.select(target_traffic_table).where(
+            target_traffic_table.c.connection_id == connection_id,
+            target_traffic_table.c.paused_until.is_not(None),
+            target_traffic_table.c.paused_until > now,
+        )
+    ).first()
+    if row is None:
+        return None
+    conn.execute(
+        target_traffic_table.update()
+        .where(target_traffic_table.c.connection_id == connection_id)
+        .values(paused_until=None, paused_at=None, pause_reason=None, resumed_at=now, resumed_note=note[:1000])
+    )
+    return TrafficRow(**row._asdict())
 
 
 def paused_until(conn: sa.Connection, connection_id: int, now: datetime) -> TrafficRow | None:

@@ -149,11 +149,24 @@ def connection_status(
     status: Annotated[
         ConnectionStatus | None, typer.Argument(help="active | error | disabled; leave out to see the connection")
     ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="End the target's pause now (one a 429/503 Retry-After asked for): recorded on the "
+            "connection, and announced by the delivery.target.resumed event where a Prefect API is set.",
+        ),
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Set a connection's status (a route is open only while both of its connections are
     active); without a status, show it: status, breaker, and its traffic as a target (rate
-    budget, requests today, a pause its Retry-After asked for)."""
+    budget, requests today, a pause its Retry-After asked for). --resume ends a pause by hand."""
+    if resume:
+        if status is not None:
+            raise InputError("--resume: give it alone, without a status")
+        _resume(name)
+        return
     if status is not None:
         with engine().begin() as conn:
             listings.set_connection_status(conn, name, status)
@@ -170,6 +183,26 @@ def connection_status(
     say(f"  auth: {shown['auth_text']}")
     say(f"  breaker: {shown['breaker']}")
     say(f"  traffic: {shown['traffic']}")
+
+
+def _resume(name: str) -> None:
+    import os
+
+    from delivery.clock import utcnow
+
+    with engine().begin() as conn:
+        ended = listings.resume_target(conn, name, utcnow())
+    if ended is None:
+        say(f"connection {name} is not paused: nothing to resume")
+        return
+    until = ended["paused_until"].isoformat(timespec="seconds")
+    say(f"connection {name}: its pause until {until} ({ended['reason'] or 'Retry-After'}) is ended; sending again")
+    if os.environ.get("PREFECT_API_URL"):
+        # Told as a pause found over is told, so automations waiting for it close the same way.
+        from flows.traffic_events import RESUMED, emit
+
+        paused_at = ended["paused_at"].isoformat(timespec="seconds") if ended["paused_at"] else None
+        emit(RESUMED, name, {"rule": None, "paused_at": paused_at, "until": until, "by": "hand"})
 
 
 @app.command("rules")

@@ -1,4 +1,5 @@
-"""A record's history: delivery_attempts, one row per request a record's step made
+"""A record's history: delivery_attempts, one row per request a record's step made; and
+target_traffic.resumed_at / resumed_note, the last pause an operator ended by hand
 
 Revision ID: 0012
 Revises: 0011
@@ -37,9 +38,15 @@ def upgrade() -> None:
         "ix_delivery_attempts_rule_id_record_id_at_id", "delivery_attempts", ["rule_id", "record_id", "at", "id"]
     )
     op.create_index("ix_delivery_attempts_at_id", "delivery_attempts", ["at", "id"])
+    with op.batch_alter_table("target_traffic", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("resumed_at", sa.DateTime(), nullable=True))
+        batch_op.add_column(sa.Column("resumed_note", sa.String(length=1000), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("target_traffic", schema=None) as batch_op:
+        batch_op.drop_column("resumed_note")
+        batch_op.drop_column("resumed_at")
     op.drop_index("ix_delivery_attempts_at_id", table_name="delivery_attempts")
     op.drop_index("ix_delivery_attempts_rule_id_record_id_at_id", table_name="delivery_attempts")
     op.drop_table("delivery_attempts")

@@ -110,7 +110,7 @@ def test_a_tick_names_its_chains_runs_keys_them_by_chain_token_and_publishes_the
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     result = json.loads(proc.stdout)
-    assert result["state"] == "COMPLETED" and result["message"].startswith("1 started, 0 alive left alone")
+    assert result["state"] == "COMPLETED" and result["message"].startswith("1 started, 0 idle, 0 dead replaced")
     assert (result["started"], result["alive"], result["dead_replaced"], result["failed"]) == (1, 0, 0, [])
     started, paused = result["rules"]
     assert paused == {"rule": PAUSED, "action": "disabled", "replaced": []}

@@ -304,7 +304,7 @@ def _pause_target(world: World) -> None:
         conn.execute(
             target_traffic_table.update()
             .where(target_traffic_table.c.connection_id == target_id)
-            .values(paused_until=utcnow() + timedelta(seconds=300), pause_reason="HTTP 429 with Retry-After 300 s")
+            .values(paused_until=utcnow() + timedelta(seconds=300), pause_reason="HTTP 429, Retry-After 300 s")
         )
 
 

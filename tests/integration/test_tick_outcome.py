@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 from uuid import UUID
 
@@ -50,7 +51,10 @@ def test_tick_json_says_what_it_ran_and_the_status_artifact_shows_the_result(wor
     chain_run, _ = asyncio.run(_read(ran["flow_run_id"]))
     assert chain_run.name == f"{RULE} -> crm" and {f"rule:{RULE}", "target:crm"} <= set(chain_run.tags)
 
-    _, artifacts = asyncio.run(_read(tick["flow_run_id"]))
+    tick_run, artifacts = asyncio.run(_read(tick["flow_run_id"]))
+    # Named for its UTC minute, its summary beginning with the count started.
+    assert re.fullmatch(r"tick \d\d:\d\d", tick_run.name), tick_run.name
+    assert tick_run.state.message.startswith("1 started, 0 idle, 0 dead replaced")
     assert len(artifacts) == 1
     data = artifacts[0].data
     [row] = json.loads(data) if isinstance(data, str) else data

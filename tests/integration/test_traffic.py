@@ -65,7 +65,7 @@ def test_a_short_pause_is_waited_out_and_the_same_request_sent_again(world: Worl
     b = world.target.requests_for(world.key("b"))
     assert len(b) == 1 and b[0].time >= sent[0].time + 0.9
     assert report.waited_seconds >= 0.9
-    assert heard.told == [("paused", f"HTTP {code} with Retry-After 1 s"), ("resumed", "crm")]
+    assert heard.told == [("paused", f"HTTP {code}, Retry-After 1 s"), ("resumed", "crm")]
     assert breaker_failures(world) == 0
     assert traffic_row(world).paused_until is None
 
