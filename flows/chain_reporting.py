@@ -177,12 +177,26 @@ def ending_tags(report: ChainReport, fault: str | None = None) -> list[str]:
 # -- the reporter of one chain --------------------------------------------------------------------
 
 
+async def tag_this_run(*added: str) -> None:
+    """Add `added` to the running flow run's tags (a refused requeue's `fault:CLASS`, say), so
+    Prefect's tag filter finds the run; nothing outside a flow run."""
+    run_id = flow_run.get_id()
+    if run_id is None:
+        return
+    tags = sorted({*flow_run.get_tags(), *added})
+    async with get_client() as client:
+        await client.update_flow_run(UUID(run_id), tags=tags)
+
+
 class ChainReporter:
     """Everything one chain's run reports, with the run's logger. Made by the flow once its chain
     exists (`begin`), ended by the flow's one closing path (`close`)."""
 
     def __init__(self, chain: Chain, run_logger: Logger, throttle: StatusThrottle | None = None) -> None:
         self.chain = chain
+        #: The fault that stopped a phase: its subflow ends `Stopped` (not Failed: the chain's run
+        #: is the one Failed run of the fault), and the chain's flow raises it.
+        self.fault: BaseException | None = None
         #: The `deliver-rule` run's logger: lock waits and repairs, a breaker trip and the records
         #: left behind go to the chain's own run, not to the drain or scan subflow's.
         self.run_logger = run_logger

@@ -75,9 +75,15 @@ def batch_timeout_seconds() -> float:
 
 
 @task(name="delivery-batch", retries=0, cache_policy=NO_CACHE, persist_result=False)
-def delivery_batch(token: str, phase: Phase) -> BatchReport:
-    """One job of the chain."""
-    return _reporter(token).chain.run_batch(phase)
+def delivery_batch(token: str, phase: Phase) -> BatchReport | State[Any]:
+    """One job of the chain. A fault the engine names ends the task Failed without a traceback
+    (the chain's run says it once, with what to do); anything else is raised, its traceback kept."""
+    reporter = _reporter(token)
+    try:
+        return reporter.chain.run_batch(phase)
+    except RuleFault as fault:
+        reporter.fault = fault  # the subflow raises it (`_run_phase`)
+        return Failed(message=f"{type(fault).__name__}: {fault}")
 
 
 def _reporter(token: str) -> ChainReporter:
@@ -98,10 +104,21 @@ async def _run_phase(token: str, phase: Phase) -> ChainEnd | None:
             # Untagged: Prefect takes a tag concurrency slot (an API call and a client of its own) for
             # every tagged task run. The flow runs carry the rule's tags; the batches are found in them.
             with TagsContext(current_tags=set()):
-                report = batch.with_options(task_run_name=f"{phase.value}-batch-{number}")(token, phase)
+                done = batch.with_options(task_run_name=f"{phase.value}-batch-{number}")(token, phase)
+        if not isinstance(done, BatchReport):
+            # The batch ended Failed on a fault the engine names (`delivery_batch`): raised here,
+            # where the subflow hands it to the chain's run.
+            raise reporter.fault or RuntimeError(f"batch {number} ended {done.type.value}: {done.message}")
+        report = done
         reporter.job_done(logger, phase, number, report)
         jobs.record(report)
     return jobs.ended_by
+
+
+#: The state a drain or scan subflow ends in when a fault of the rule stopped it: of type
+#: Completed, so the chain's own run is the one Failed run of the fault (Prefect's Failed filter, a
+#: Failed automation and a later Retry's leftovers all see one run, not two).
+STOPPED = "Stopped"
 
 
 async def _run_subflow(token: str, phase: Phase) -> ChainEnd | State[Any] | None:
@@ -110,6 +127,10 @@ async def _run_subflow(token: str, phase: Phase) -> ChainEnd | State[Any] | None
     except CANCELLATIONS as exc:
         # Ends this subflow Cancelled rather than Crashed; the parent then sees CancelledRun.
         return Cancelled(message=f"{phase.value} cancelled ({type(exc).__name__})")
+    except Exception as exc:
+        # The chain's run ends Failed on it (`deliver_rule` raises it after this subflow).
+        _reporter(token).fault = exc
+        return Completed(message=f"stopped by {fault_state_name(exc)}: the chain's run says why", name=STOPPED)
 
 
 @flow(name="drain", retries=0, validate_parameters=False)
@@ -214,8 +235,12 @@ async def deliver_rule(rule: str) -> State[Any]:
             # A subflow's Cancelled state reaches us as CancelledRun, never as a value.
             if ended is None:
                 ended = await drain.with_options(flow_run_name=f"{rule} · drain")(chain.token)
+            if reporter.fault is not None:
+                raise reporter.fault
             if ended is None:
                 ended = await scan.with_options(flow_run_name=f"{rule} · scan")(chain.token)
+            if reporter.fault is not None:
+                raise reporter.fault
     except BaseException as exc:
         stopped = exc
     finally:

@@ -25,6 +25,7 @@ from delivery.db import shared_engine
 from delivery.errors import InputError
 from delivery.preview import DEFAULT_LIMIT, MAX_LIMIT, Preview, limit_problem, preview
 from delivery.settings import settings
+from flows.chain_reporting import tag_this_run
 
 #: The UI's form takes only a limit in range (the parameter schema's minimum and maximum).
 Limit = Annotated[int, Field(ge=1, le=MAX_LIMIT)]
@@ -104,7 +105,8 @@ async def delivery_preview(rule: str, limit: Limit = DEFAULT_LIMIT) -> State[Any
     except InputError as exc:
         logger.error("preview of %s refused: %s", rule, exc)
         # Plainly Failed, as every refused run is, so Prefect's Failed filter finds it; the class
-        # leads the message.
+        # leads the message and is the tag `fault:CLASS`.
+        await tag_this_run(f"fault:{type(exc).__name__}")
         return Failed(message=f"{type(exc).__name__}: {exc}")
     await _label_run(result.rule, result.target)
     await acreate_table_artifact(table=_table(result), key=artifact_key(rule), description=describe(result))

@@ -23,6 +23,7 @@ from delivery import listings
 from delivery.db import shared_engine
 from delivery.errors import InputError
 from delivery.settings import settings
+from flows.chain_reporting import tag_this_run
 
 Limit = Annotated[int, Field(ge=1, le=listings.MAX_ATTEMPTS)]
 
@@ -87,6 +88,7 @@ async def delivery_record(rule: str, record_id: str, limit: Limit = listings.DEF
             history = listings.record_history(conn, rule, record_id, limit)
     except InputError as exc:
         logger.error("record %s of %s refused: %s", record_id, rule, exc)
+        await tag_this_run(f"fault:{type(exc).__name__}")
         return Failed(message=f"{type(exc).__name__}: {exc}")
     await acreate_table_artifact(table=table(history), key=artifact_key(rule, record_id), description=describe(history))
     row = history["ledger"]

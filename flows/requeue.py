@@ -193,9 +193,12 @@ def _refused(rule: str, fault: DeliveryError) -> State[Any]:
     text = " ".join(str(fault).split())
     get_run_logger().error("requeue of %s not done: %s. Nothing was changed; %s.", rule, text, _remedy(fault))
     setattr(fault, _REFUSED, True)
+    _tag(f"fault:{type(fault).__name__}")
     for name in _PREFECT_LOGGERS:
         logging.getLogger(name).addFilter(_QUIET)  # the same filter once per logger
-    return Failed(message=text, name=type(fault).__name__, data=fault)
+    # Plainly Failed (Prefect's state filter and a Failed automation match the name too), the
+    # fault's class the message's first word and the tag `fault:CLASS`.
+    return Failed(message=f"{type(fault).__name__}: {text}", data=fault)
 
 
 def _shown(rule: Any) -> str:
@@ -214,6 +217,16 @@ def _label_run(rule: str, dry_run: bool, target: str | None) -> None:
     tags = sorted({*flow_run.get_tags(), *added})
     with get_client(sync_client=True) as client:
         client.update_flow_run(UUID(run_id), name=run_name(rule, dry_run), tags=tags)
+
+
+def _tag(tag: str) -> None:
+    """Add `tag` to the running flow run's tags."""
+    run_id = flow_run.get_id()
+    if run_id is None:
+        return
+    with get_client(sync_client=True) as client:
+        current = client.read_flow_run(UUID(run_id)).tags
+        client.update_flow_run(UUID(run_id), tags=sorted({*current, tag}))
 
 
 def _target_of(engine: sa.Engine, rule: str) -> str:

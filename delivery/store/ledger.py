@@ -317,8 +317,11 @@ def settle_many(
     where one exists raises `LedgerRowConflict` (the caller settles the group one by one to name it)."""
     inserts = [(c, o) for c, o in settles if c.ledger is None]
     updates = [(c, o) for c, o in settles if c.ledger is not None]
+    #: Outcomes written together here, whose requests are written together after (one by one, a
+    #: `settle` writes its own).
+    together_written: list[tuple[Candidate, Outcome]] = []
     if len(inserts) == 1:
-        _settle(conn, rule, *inserts[0], now)
+        settle(conn, rule, *inserts[0], now)
     elif inserts:
         params = [
             {
@@ -335,6 +338,7 @@ def settle_many(
             conn.execute(_INSERT, params)
         except IntegrityError as exc:
             raise LedgerRowConflict(rule.name, inserts[0][0].record.external_id) from exc
+        together_written.extend(inserts)
     written: dict[int, bool] = {}
     # One executemany needs one set of columns: a row whose key moved on (a delete) writes one more.
     together = [(c, o) for c, o in updates if not o.key_renewed]
@@ -348,14 +352,14 @@ def settle_many(
         if conn.execute(_UPDATE, params).rowcount == len(together):
             savepoint.commit()
             written = {id(c): True for c, _ in together}
+            together_written.extend(together)
         else:
             savepoint.rollback()
     for c, o in updates:
         if id(c) not in written:
-            written[id(c)] = _settle(conn, rule, c, o, now)
-    done = [True if c.ledger is None else written[id(c)] for c, _ in settles]
-    attempts.write(conn, rule.id, [settled for settled, ok in zip(settles, done, strict=True) if ok])
-    return done
+            written[id(c)] = settle(conn, rule, c, o, now)
+    attempts.write(conn, rule.id, together_written)
+    return [True if c.ledger is None else written[id(c)] for c, _ in settles]
 
 
 def _settled_values(candidate: Candidate, outcome: Outcome, now: datetime) -> dict[str, Any]:

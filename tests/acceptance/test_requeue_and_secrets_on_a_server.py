@@ -272,8 +272,8 @@ def test_a_requeue_refused_on_a_worker_logs_one_error_line_and_no_traceback(serv
     again as the run ends and would log "Engine execution exited with unexpected exception" and a
     traceback to the run. A refused requeue's run holds one ERROR line: the fault and what to do."""
     run = run_deployment(served, "delivery-requeue/delivery-requeue", {"rule": "no-such-rule", "dry_run": True})
-    assert run.state.is_failed() and run.state.name == "UnknownName"
-    assert run.state.message == "no rule named 'no-such-rule'"
+    assert run.state.is_failed() and run.state.name == "Failed" and "fault:UnknownName" in run.tags
+    assert run.state.message == "UnknownName: no rule named 'no-such-rule'"
     assert run.name == "requeue no-such-rule (dry run)"
     records = log_records(served, run.id)
     errors = [r.message for r in records if r.level >= logging.ERROR]

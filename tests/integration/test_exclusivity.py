@@ -350,7 +350,7 @@ def test_tick_starts_a_chain_per_enabled_rule_and_leaves_alive_ones_alone(world:
 
     alive = Chain(world.engine, RULE)  # a chain in flight (fresh heartbeat): the tick leaves the rule alone
     state = _tick()
-    assert "0 started, 1 alive" in state.message
+    assert "0 started" in state.message and "1 running left alone" in state.message
     alive.finish()
 
 
@@ -421,7 +421,7 @@ def test_tick_threshold_is_configurable(world: World) -> None:
             .where(chains_table.c.token == chain.token)
             .values(heartbeat_at=utcnow() - timedelta(minutes=3))
         )
-    assert "1 alive" in _tick().message  # default 15 minutes: still alive
+    assert "1 running left alone" in _tick().message  # default 15 minutes: still alive
     assert "1 dead replaced" in _tick(dead_after_minutes=2).message
 
 

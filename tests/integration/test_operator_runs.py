@@ -126,6 +126,32 @@ def test_a_failed_chain_is_a_plain_failed_run_tagged_with_the_fault_of_the_rule(
     assert "CRM_TOKEN" in result["message"]
 
 
+def test_a_fault_met_in_a_batch_makes_one_failed_run_and_no_traceback(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chain's run is the one Failed run of the fault: its scan subflow ends `Stopped` (of
+    type Completed), and no log of the chain, its subflows or its batch holds a traceback."""
+    world.load("a")
+    monkeypatch.setenv("CRM_TOKEN", "a-token-the-target-refuses-0123456789")
+    world.target.token = "s3cr3t-token-value"
+    try:
+        result = world.run()
+    finally:
+        world.target.token = None
+    run_id = result["flow_run_id"]
+    assert run_state(run_id) == ("FAILED", "Failed") and result["message"].startswith("Unauthorized:")
+    assert "fault:Unauthorized" in run_tags(run_id)
+    children = child_runs(run_id)
+    assert [(run.name, run.state.type.value, run.state.name) for run in children] == [
+        (f"{RULE} · drain", "COMPLETED", "Completed"),
+        (f"{RULE} · scan", "COMPLETED", "Stopped"),
+    ]
+    logs = run_logs(run_id) + [line for run in children for line in run_logs(str(run.id))]
+    assert not [line for line in logs if "Traceback" in line], logs
+    errors = [line for line in run_logs(run_id) if "failed" in line and "Unauthorized" in line]
+    assert len(errors) == 1 and "What to do:" in errors[0], errors
+
+
 def test_an_unexpected_error_keeps_its_traceback_in_the_log(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     world.load("a")
 

@@ -526,6 +526,7 @@ def test_the_flow_fails_for_an_unknown_rule_or_a_limit_out_of_range(prefect_api:
     unknown = _run_flow(rule="nope")
     assert unknown.is_failed()
     assert unknown.message == "UnknownName: no rule named 'nope'" and unknown.name == "Failed"
+    assert "fault:UnknownName" in _flow_run(str(unknown.state_details.flow_run_id)).tags
     for bad in (0, 10_001):
         refused = _run_flow(rule=RULE, limit=bad)
         assert refused.is_failed()

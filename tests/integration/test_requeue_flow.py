@@ -158,7 +158,7 @@ def test_an_unknown_rule_fails_the_run_with_a_clear_message(rows: World) -> None
     before = snapshot(rows.engine)
     state, _ = run(rule="no-such-rule")
     assert state.is_failed()
-    assert state.message == "no rule named 'no-such-rule'" and state.name == "UnknownName"
+    assert state.message == "UnknownName: no rule named 'no-such-rule'" and state.name == "Failed"
     assert snapshot(rows.engine) == before and audit(rows.engine) == []
 
 
@@ -195,7 +195,7 @@ def test_a_by_longer_than_the_audit_row_keeps_fails_the_run_and_writes_nothing(r
     before = snapshot(rows.engine)
     state, _ = run(rule=RULE, by="x" * 201, dry_run=dry_run)
     assert state.is_failed()
-    assert state.message == "by: the value is longer than 200 characters" and state.name == "InputError"
+    assert state.message == "InputError: by: the value is longer than 200 characters" and state.name == "Failed"
     assert snapshot(rows.engine) == before and audit(rows.engine) == []
     state, _ = run(rule=RULE, by="x" * 200, ids=["p1"])
     assert state.is_completed(), state
@@ -218,7 +218,7 @@ def test_a_nul_in_a_parameter_fails_the_run_naming_it(rows: World, parameters: d
     before = snapshot(rows.engine)
     state, _ = run(**parameters)
     assert state.is_failed()
-    assert state.message.startswith(f"{parameter}: the value holds a ") and state.name == "InputError"
+    assert state.message.startswith(f"InputError: {parameter}: the value holds a ") and state.name == "Failed"
     assert snapshot(rows.engine) == before and audit(rows.engine) == []
 
 
@@ -412,8 +412,12 @@ def test_a_refused_requeue_logs_one_error_line_without_a_traceback_and_fails(
     before = snapshot(rows.engine)
     with caplog.at_level(logging.INFO):
         state, _ = run(**parameters)
-    assert state.is_failed() and state.name == name
-    assert state.message.startswith(fault) if name == "InputError" else state.message == fault
+    # Plainly Failed (Prefect's Failed filter and a Failed automation see it), the fault's class the
+    # message's first word and the run's tag `fault:CLASS`.
+    assert state.is_failed() and state.name == "Failed"
+    message = f"{name}: {fault}"
+    assert state.message.startswith(message) if name == "InputError" else state.message == message
+    assert f"fault:{name}" in flow_run_of(str(state.state_details.flow_run_id)).tags
     [error] = _errors(caplog)
     line = error.getMessage()
     assert "\n" not in line and error.exc_info is None

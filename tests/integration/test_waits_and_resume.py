@@ -82,7 +82,9 @@ def test_resume_ends_a_pause_by_hand_and_records_it(engine: sa.Engine, target: T
     until = pause(engine, 600)
     done = runner.invoke(app, ["connection-status", "crm", "--resume"])
     assert done.exit_code == 0, done.output
-    assert f"its pause until {until.isoformat(timespec='seconds')} (HTTP 429, Retry-After 600 s) is ended" in done.output
+    assert (
+        f"its pause until {until.isoformat(timespec='seconds')} (HTTP 429, Retry-After 600 s) is ended" in done.output
+    )
     with engine.connect() as conn:
         row = conn.execute(sa.select(target_traffic_table)).one()
     assert row.paused_until is None and row.resumed_at is not None and "--resume" in row.resumed_note

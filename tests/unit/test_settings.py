@@ -22,6 +22,7 @@ VARIABLES = {
     "dead_chain_minutes": "DELIVERY_DEAD_CHAIN_MINUTES",
     "lock_wait_step_seconds": "DELIVERY_LOCK_WAIT_STEP_SECONDS",
     "batch_timeout_seconds": "DELIVERY_BATCH_TIMEOUT_SECONDS",
+    "attempts_keep_days": "DELIVERY_ATTEMPTS_KEEP_DAYS",
 }
 NUMBERS = [field for field in VARIABLES if field != "database_url"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +46,7 @@ def test_defaults(clean: pytest.MonkeyPatch) -> None:
         dead_chain_minutes=15.0,
         lock_wait_step_seconds=15.0,
         batch_timeout_seconds=600.0,
+        attempts_keep_days=14.0,
     )
     assert db.database_url() == db.DEFAULT_URL == "sqlite:///delivery.db"
     assert liveness.dead_chain_after() == timedelta(minutes=15)
