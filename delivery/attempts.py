@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from datetime import datetime
 
@@ -47,6 +47,28 @@ class Exchange:
 
 
 _listener: ContextVar[list[Exchange] | None] = ContextVar("delivery_exchanges", default=None)
+
+#: Told of every request a step made (target, verb, exchange): the metrics' timing, where enabled.
+Observer = Callable[[str, str, Exchange], None]
+_observers: list[Observer] = []
+
+
+def observe(observer: Observer) -> None:
+    """Tell `observer` of every request made from now on, in this process (after its step heard it)."""
+    _observers.append(observer)
+
+
+def observers() -> list[Observer]:
+    return list(_observers)
+
+
+def told(target: str, verb: str, exchange: Exchange) -> None:
+    """A step's request, for the observers (`observe`); an observer's failure is not the step's."""
+    for observer in _observers:
+        try:
+            observer(target, verb, exchange)
+        except Exception:
+            continue
 
 
 def heard(exchange: Exchange) -> None:

@@ -268,6 +268,8 @@ class RecordStep:
 
     def attempts_of(self, heard: list[attempts.Exchange], verb: Verb) -> list[Attempt]:
         """The requests heard during one call of `verb`, as the record's history keeps them."""
+        for exchange in heard:
+            attempts.told(self.rule.target.name, verb.value, exchange)
         return [exchange.attempt(verb.value, self.chain_run_id) for exchange in heard]
 
     @staticmethod

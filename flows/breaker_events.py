@@ -16,6 +16,7 @@ from typing import Any
 from prefect.events import emit_event
 
 from delivery.breaker import OPEN, BreakerListener, Outage, TargetBreaker, outage_change
+from flows import metrics
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class RunBreakerListener(BreakerListener):
         self._context.copy().run(self._tell, breaker, old, new)
 
     def _tell(self, breaker: TargetBreaker, old: str, new: str) -> None:
+        metrics.BREAKER_OPEN.labels(target=breaker.target).set(1 if new == OPEN else 0)
         event = breaker_event(old, new)
         if new == OPEN:
             self.logger.warning(

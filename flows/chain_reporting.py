@@ -36,6 +36,7 @@ from delivery.domain import BatchReport, ChainEnd, ChainReport, Cursor, LedgerSt
 from delivery.errors import UnknownName
 from delivery.rule_health import TELLING, transition
 from delivery.store import chains, ledger
+from flows import metrics
 from flows.parked_artifact import has_parked_set, publish_parked_set
 from flows.status_artifact import publish_status
 
@@ -227,8 +228,12 @@ class ChainReporter:
 
     def job_done(self, phase_logger: Logger, phase: Phase, number: int, report: BatchReport) -> None:
         """A job's line in its subflow's log; its waits and every record it left behind in the
-        chain's run log (parking is never silent)."""
+        chain's run log (parking is never silent); its counts in the process's metrics."""
         rule = self.chain.rule
+        for outcome, n in report.counts.items():
+            metrics.RECORDS.labels(rule=rule.name, target=rule.target.name, outcome=outcome).inc(n)
+        if report.waited_seconds:
+            metrics.RATE_WAIT.labels(target=rule.target.name).inc(report.waited_seconds)
         if report.attempted:
             phase_logger.info(
                 "%s batch %d: %d records: %s", phase.value, number, report.attempted, tally(report.counts)
@@ -262,6 +267,7 @@ class ChainReporter:
     async def close(self, report: ChainReport, fault: str | None = None) -> None:
         """Everything a chain's end publishes: its report, the records it left, the standing
         artifacts, how it ended as tags, and the rule's health event."""
+        metrics.CHAINS.labels(rule=report.rule, ending=report.ended_by.value).inc()
         publish_status_now = self._throttle.ended()
         await self._publish(report)
         await self._publish_records()

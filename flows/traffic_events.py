@@ -17,6 +17,7 @@ from typing import Any
 from prefect.events import emit_event
 
 from delivery.traffic import TrafficListener
+from flows import metrics
 from flows.breaker_events import connection_resource
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class RunTrafficListener(TrafficListener):
         )  # fmt: skip
 
     def _paused(self, target: str, until: datetime, reason: str) -> None:
+        metrics.TARGET_PAUSED.labels(target=target).set(1)
         when = until.isoformat(timespec="seconds")
         self.logger.warning(
             "rule %s: target %s asked for a pause (%s): no rule sends to it until %s", self.rule, target, reason, when
@@ -60,6 +62,7 @@ class RunTrafficListener(TrafficListener):
         self._emit(PAUSED, target, {"rule": self.rule, "until": when, "reason": reason})
 
     def _resumed(self, target: str, paused_at: datetime | None, until: datetime | None) -> None:
+        metrics.TARGET_PAUSED.labels(target=target).set(0)
         self.logger.info("rule %s: target %s: its pause is over; sending again", self.rule, target)
         payload = {
             "rule": self.rule,

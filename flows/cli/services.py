@@ -18,17 +18,34 @@ from flows.cli.output import (
     say,
 )
 
+#: `--metrics-port`: Prometheus metrics of the chains this process runs (see flows/metrics.py).
+MetricsPort = typer.Option(
+    "--metrics-port",
+    min=1,
+    max=65535,
+    help="Serve Prometheus metrics of the chains run here on this port (/metrics); a scrape never holds a chain.",
+)
+
 
 @app.command("serve")
 def serve_command(
     port: Annotated[
         int, typer.Option("--port", help="Port of the local Prefect server (without PREFECT_API_URL).")
     ] = 4200,
+    metrics_port: Annotated[int | None, MetricsPort] = None,
 ) -> None:
     """The long-running job on one machine: serves delivery-tick (every 5 minutes), deliver-rule and delivery-requeue.
 
     Without PREFECT_API_URL it first starts a local Prefect server (SQLite under PREFECT_HOME) and prints
     the UI address; Ctrl-C or SIGTERM stops everything (exit 0), a second one stops it at once."""
+    if metrics_port is not None:
+        from flows.metrics import serve_metrics_of_processes
+
+        try:
+            serve_metrics_of_processes(metrics_port)
+        except OSError as exc:
+            raise InputError(f"--metrics-port: cannot listen on {metrics_port}: {exc.strerror or exc}") from None
+        say(f"metrics: http://127.0.0.1:{metrics_port}/metrics")
     from flows.serve import serve_forever
 
     serve_forever(port)
@@ -42,12 +59,22 @@ def worker_command(
     poll_seconds: Annotated[
         float, typer.Option("--poll-seconds", min=0.5, max=300, help="How often to look for runs and for Cancels.")
     ] = 5.0,
+    metrics_port: Annotated[int | None, MetricsPort] = None,
 ) -> None:
     """Run chains in this long-lived process: takes deliver-rule (and tick, requeue, preview) runs from the pool.
 
     The warm alternative to `prefect worker start --pool delivery`, which starts a process per run. Needs
     PREFECT_API_URL. Ctrl-C or SIGTERM cancels the runs in flight and stops (exit 0); a second one at once."""
     from flows.worker import NoPool, NoServer, run_worker
+
+    if metrics_port is not None:
+        from flows.metrics import serve_metrics
+
+        try:
+            serve_metrics(metrics_port)
+        except OSError as exc:
+            raise InputError(f"--metrics-port: cannot listen on {metrics_port}: {exc.strerror or exc}") from None
+        say(f"metrics: http://127.0.0.1:{metrics_port}/metrics")
 
     try:
         raise typer.Exit(run_worker(pool=pool, name=name, limit=limit, poll_seconds=poll_seconds, say=say))
