@@ -111,7 +111,7 @@ class Chain:
                 self.started_at = clock()
                 self.token = chains.start_chain(conn, self.rule.id, flow_run_id, self.started_at)
             else:
-                self.started_at = chains.adopt_chain(conn, token, self.rule.id, flow_run_id)
+                self.started_at = chains.adopt_chain(conn, token, self.rule.id, flow_run_id, clock())
                 self.token = token
         self._claimed = False
         self._cursor_read = False

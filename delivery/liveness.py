@@ -103,23 +103,30 @@ class ChainLife:
     flow_run_id: str | None
     silent_for: timedelta
     alive: bool
+    #: Launched by the tick, and its run has not begun to run after `NEVER_STARTED_SECONDS`.
+    never_started: bool = False
+
+
+#: How long a chain the tick launched may wait for its run to begin before the tick judges it
+#: dead: a worker at its limit, or one that claimed the run and lost it, must not hold the rule
+#: for the whole dead-chain threshold. Generous for a loaded server (a start was seen taking 62 s).
+NEVER_STARTED_SECONDS = 180.0
 
 
 def judge_chains(conn: sa.Connection, rule_id: int, now: datetime, threshold: timedelta) -> list[ChainLife]:
     """The rule's open chains, newest first, each alive while its heartbeat is `fresh` within
-    `threshold`. A chain's heartbeat is written at launch (so a run still waiting for a worker
-    counts), at every wait step for the lock, as each job starts, as the cursor moves and about once
-    a second while it settles; a warm worker killed with its runs leaves them Running, and only
+    `threshold` and, if the tick launched it, once its run began within `NEVER_STARTED_SECONDS`.
+    A chain's heartbeat is written at launch (so a run still waiting for a worker counts), when its
+    run begins, at every wait step for the lock, as each job starts, as the cursor moves and about
+    once a second while it settles; a warm worker killed with its runs leaves them Running, and only
     their silence tells."""
-    return [
-        ChainLife(
-            row.token,
-            row.flow_run_id,
-            now - row.heartbeat_at,
-            fresh(row.heartbeat_at, now, threshold),
-        )
-        for row in chains.open_chains(conn, rule_id)
-    ]
+    lives = []
+    for row in chains.open_chains(conn, rule_id):
+        waiting = row.running_at is None and row.ended_at is None
+        never_started = waiting and not fresh(row.started_at, now, timedelta(seconds=NEVER_STARTED_SECONDS))
+        alive = fresh(row.heartbeat_at, now, threshold) and not never_started
+        lives.append(ChainLife(row.token, row.flow_run_id, now - row.heartbeat_at, alive, never_started))
+    return lives
 
 
 # -- the handover: a newer chain waiting for the lock -------------------------------------------

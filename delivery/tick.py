@@ -36,12 +36,23 @@ class DeadChain:
     token: str
     flow_run_id: str | None
     silent_for: timedelta
+    #: Launched, and its run never began to run (no worker started it in time).
+    never_started: bool = False
+
+    @property
+    def why(self) -> str:
+        """Why the tick judged it dead, as its run's cancellation and the chain's end say."""
+        seconds = int(self.silent_for.total_seconds())
+        if self.never_started:
+            return f"judged dead by the tick: launched {seconds} s ago, its run never began to run"
+        return f"judged dead by the tick: no heartbeat for {seconds} s"
 
     def as_json(self) -> dict[str, Any]:
         return {
             "chain_token": self.token,
             "flow_run_id": self.flow_run_id,
             "silent_seconds": round(self.silent_for.total_seconds(), 1),
+            "never_started": self.never_started,
         }
 
 
@@ -110,7 +121,9 @@ def plan_tick(conn: sa.Connection, now: datetime, threshold: timedelta) -> TickP
             if chain.alive:
                 alive = True
             else:
-                plan.dead.append(DeadChain(rule.name, rule.id, chain.token, chain.flow_run_id, chain.silent_for))
+                plan.dead.append(
+                    DeadChain(rule.name, rule.id, chain.token, chain.flow_run_id, chain.silent_for, chain.never_started)
+                )
         if alive:
             plan.alive.append(rule.name)
         elif needs_chain(conn, rule, now):
@@ -143,7 +156,7 @@ def prune_attempts(engine: sa.Engine, now: datetime, keep_days: float) -> int:
 
 def record_launch(conn: sa.Connection, rule: str, now: datetime) -> str:
     """Record the chain before its run exists, so the next tick sees it alive while it waits."""
-    return chains.start_chain(conn, catalog.get_rule(conn, rule).id, None, now)
+    return chains.start_chain(conn, catalog.get_rule(conn, rule).id, None, now, running=False)
 
 
 def attach_flow_run(conn: sa.Connection, token: str, flow_run_id: str) -> None:

@@ -140,7 +140,7 @@ async def delivery_tick(dead_after_minutes: float = 0) -> State[Any]:
     outcome.attempts_pruned = prune_attempts(engine, utcnow(), settings().attempts_keep_days)
 
     for dead in plan.dead:
-        message = f"judged dead by the tick: no heartbeat for {int(dead.silent_for.total_seconds())} s"
+        message = dead.why
         if dead.flow_run_id:
             await _cancel(dead.flow_run_id, message)
         liveness.supersede(engine, dead.rule_id, dead.token, message)

@@ -46,12 +46,13 @@ from typing import Any
 from uuid import UUID
 
 from prefect import get_client
+from prefect.client.schemas import State
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterState, FlowRunFilterStateType
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.client.schemas.responses import SetStateStatus
 from prefect.flow_engine import run_flow
 from prefect.flows import Flow
-from prefect.states import Pending
+from prefect.states import Pending, Scheduled
 
 DEFAULT_POOL = "delivery"
 DEFAULT_LIMIT = 16
@@ -142,7 +143,12 @@ class _ChainThread:
 
     async def _run(self, flight: _InFlight) -> None:
         running = run_flow(flight.flow, flow_run=flight.run, return_type="state")
-        assert asyncio.iscoroutine(running), "the flows this worker runs are async"
+        if not asyncio.iscoroutine(running):
+            # A sync flow (delivery-requeue) has run already, on this thread: it holds this loop,
+            # which serves one run at a time anyway; it is short, and cannot be cancelled midway.
+            if isinstance(running, State):
+                self._say(f"{flight.run.name} ended {running.type.value} ({running.name})")
+            return
         flight.task = asyncio.ensure_future(running)
         if flight.cancel_asked:
             flight.task.cancel()
@@ -234,10 +240,29 @@ class WarmWorker:
             flow = self.flows.get(await self._flow_name(client, run.flow_id) or "")
             if flow is None:
                 continue  # not ours: left for a process worker on the pool
-            answer = await client.set_flow_run_state(run.id, Pending(), force=False)
-            if answer.status != SetStateStatus.ACCEPT:
-                continue  # another worker took it, or the server holds it back (a concurrency limit)
-            self._start(flow, run)
+            try:
+                answer = await client.set_flow_run_state(run.id, Pending(), force=False)
+                if answer.status != SetStateStatus.ACCEPT:
+                    continue  # another worker took it, or the server holds it back (a concurrency limit)
+                self._start(flow, run)
+            except Exception:
+                # The server may have made it ours (its answer lost on a loaded machine): a run left
+                # Pending would wait for nobody. It goes back to Scheduled, for whoever claims next.
+                await self._hand_back(client, run)
+                raise
+
+    async def _hand_back(self, client: Any, run: FlowRun) -> None:
+        """Set `run` Scheduled again if it is Pending and not running here: claimed, never started."""
+        with self._lock:
+            if run.id in self._in_flight:
+                return
+        try:
+            current = await client.read_flow_run(run.id)
+            if current.state is not None and current.state.type == StateType.PENDING:
+                await client.set_flow_run_state(run.id, Scheduled(), force=True)
+                self._tell(f"{run.name} ({run.id}) was claimed but not started here: handed back (Scheduled)")
+        except Exception as exc:
+            self._tell(f"could not hand back {run.name} ({run.id}): {type(exc).__name__}: {exc}")
 
     async def _flow_name(self, client: Any, flow_id: UUID) -> str | None:
         if flow_id not in self._flow_names:

@@ -32,32 +32,46 @@ class ChainRow:
     lease_id: str | None
     holder_host: str | None
     holder_pid: int | None
+    #: When its run began to run; None for a run the tick launched that no worker started yet.
+    running_at: datetime | None = None
 
 
 def _chain_row(row: sa.Row[Any]) -> ChainRow:
     return ChainRow(**row._asdict())
 
 
-def start_chain(conn: sa.Connection, rule_id: int, flow_run_id: str | None, now: datetime) -> str:
-    """Record a new chain. It becomes the rule's current chain only when its first job claims the
+def start_chain(
+    conn: sa.Connection, rule_id: int, flow_run_id: str | None, now: datetime, *, running: bool = True
+) -> str:
+    """Record a new chain: running now, or (`running` False) launched by the tick for a run no
+    worker has started yet. It becomes the rule's current chain only when its first job claims the
     rule under the lock (`claim`), so a chain in the middle of a job is never cut off mid-record."""
     token = uuid.uuid4().hex
     conn.execute(
         chains_table.insert().values(
-            token=token, rule_id=rule_id, flow_run_id=flow_run_id, started_at=now, heartbeat_at=now
+            token=token,
+            rule_id=rule_id,
+            flow_run_id=flow_run_id,
+            started_at=now,
+            heartbeat_at=now,
+            running_at=now if running else None,
         )
     )
     return token
 
 
-def adopt_chain(conn: sa.Connection, token: str, rule_id: int, flow_run_id: str | None) -> datetime:
-    """Take over a chain row the tick recorded when it launched this run. Returns its start."""
+def adopt_chain(
+    conn: sa.Connection, token: str, rule_id: int, flow_run_id: str | None, now: datetime | None = None
+) -> datetime:
+    """Take over a chain row the tick recorded when it launched this run: it runs from `now` (a
+    heartbeat too). Returns its start."""
     row = conn.execute(
         sa.select(chains_table).where(chains_table.c.token == token, chains_table.c.rule_id == rule_id)
     ).one_or_none()
     if row is None or row.ended_at is not None:
         raise LookupError(f"chain {token} of this rule does not exist or has already ended")
-    conn.execute(chains_table.update().where(chains_table.c.token == token).values(flow_run_id=flow_run_id))
+    running = {"running_at": now, "heartbeat_at": now} if now is not None else {}
+    conn.execute(chains_table.update().where(chains_table.c.token == token).values(flow_run_id=flow_run_id, **running))
     return row.started_at  # type: ignore[no-any-return]
 
 

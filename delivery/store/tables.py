@@ -209,6 +209,9 @@ chains_table = sa.Table(
     sa.Column("lease_id", sa.String(64)),
     sa.Column("holder_host", sa.String(255)),
     sa.Column("holder_pid", sa.Integer),
+    # When the chain's run began to run: at once for a run started by hand; for a run the tick
+    # launched, when a worker started it (None while it waits for one).
+    sa.Column("running_at", UTCDateTime),
     sa.Index(None, "rule_id", "started_at"),
 )
 

@@ -1,5 +1,6 @@
 """A record's history: delivery_attempts, one row per request a record's step made; and
-target_traffic.resumed_at / resumed_note, the last pause an operator ended by hand
+target_traffic.resumed_at / resumed_note, the last pause an operator ended by hand; chains.running_at,
+when a launched chain's run began to run
 
 Revision ID: 0012
 Revises: 0011
@@ -38,12 +39,16 @@ def upgrade() -> None:
         "ix_delivery_attempts_rule_id_record_id_at_id", "delivery_attempts", ["rule_id", "record_id", "at", "id"]
     )
     op.create_index("ix_delivery_attempts_at_id", "delivery_attempts", ["at", "id"])
+    with op.batch_alter_table("chains", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("running_at", sa.DateTime(), nullable=True))
     with op.batch_alter_table("target_traffic", schema=None) as batch_op:
         batch_op.add_column(sa.Column("resumed_at", sa.DateTime(), nullable=True))
         batch_op.add_column(sa.Column("resumed_note", sa.String(length=1000), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("chains", schema=None) as batch_op:
+        batch_op.drop_column("running_at")
     with op.batch_alter_table("target_traffic", schema=None) as batch_op:
         batch_op.drop_column("resumed_note")
         batch_op.drop_column("resumed_at")

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 from uuid import UUID, uuid4
 
+from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.responses import SetStateStatus
 
 from flows.worker import WarmWorker
@@ -27,6 +28,9 @@ class FakeClient:
     refused: set[UUID] = field(default_factory=set)
     proposed: list[UUID] = field(default_factory=list)
     flows_read: list[UUID] = field(default_factory=list)
+    #: Runs whose Pending the server accepts but whose answer never reaches the worker.
+    answer_lost: set[UUID] = field(default_factory=set)
+    states: dict[UUID, str] = field(default_factory=dict)
 
     async def get_scheduled_flow_runs_for_work_pool(self, **_: Any) -> list[Any]:
         return [SimpleNamespace(flow_run=run) for run in self.runs]
@@ -36,10 +40,22 @@ class FakeClient:
         return SimpleNamespace(name=self.flow_names[flow_id])
 
     async def set_flow_run_state(self, run_id: UUID, state: Any, force: bool) -> Any:
+        if state.type.value == "SCHEDULED":  # a hand-back
+            assert force is True
+            self.states[run_id] = "SCHEDULED"
+            return SimpleNamespace(status=SetStateStatus.ACCEPT)
         assert state.type.value == "PENDING" and force is False
         self.proposed.append(run_id)
         status = SetStateStatus.REJECT if run_id in self.refused else SetStateStatus.ACCEPT
+        if status is SetStateStatus.ACCEPT:
+            self.states[run_id] = "PENDING"
+        if run_id in self.answer_lost:
+            raise TimeoutError("the server's answer never came")
         return SimpleNamespace(status=status)
+
+    async def read_flow_run(self, run_id: UUID) -> Any:
+        state = self.states.get(run_id, "SCHEDULED")
+        return SimpleNamespace(state=SimpleNamespace(type=StateType(state)))
 
 
 def _run(flow_id: UUID, minutes: int) -> Any:
@@ -78,3 +94,20 @@ def test_never_more_than_the_limit_in_flight() -> None:
     assert started == runs[:2] and client.proposed == [runs[0].id, runs[1].id]
     asyncio.run(worker._claim(client))  # full: nothing more is proposed
     assert len(client.proposed) == 2
+
+
+def test_a_run_claimed_whose_answer_was_lost_is_handed_back_not_left_pending() -> None:
+    """Seen under load: the server made the run Pending for this worker, the answer was lost, the
+    worker never started it, and it waited in Pending for nobody until the dead-chain threshold."""
+    chain = uuid4()
+    lost, fine = _run(chain, 0), _run(chain, 1)
+    client = FakeClient([lost, fine], {chain: "deliver-rule"}, answer_lost={lost.id})
+    worker, started = _worker(limit=8)
+    try:
+        asyncio.run(worker._claim(client))
+    except TimeoutError:
+        pass  # the poll fails; the next one goes on
+    assert client.states[lost.id] == "SCHEDULED" and started == []
+    client.answer_lost.clear()
+    asyncio.run(worker._claim(client))
+    assert started == [lost, fine]
