@@ -35,6 +35,7 @@ from delivery.db import shared_engine
 from delivery.domain import BatchReport, ChainEnd, ChainReport, Cursor, LedgerStatus, Phase
 from delivery.errors import UnknownName
 from delivery.rule_health import TELLING, transition
+from delivery.status import RUN_STATE_NAMES
 from delivery.store import chains, ledger
 from flows import metrics
 from flows.parked_artifact import has_parked_set, publish_parked_set
@@ -286,7 +287,7 @@ class ChainReporter:
             for status in LedgerStatus
         ]
         description = (
-            f"**{report.rule}** ended by `{report.ended_by.value}`: {report.message or 'caught up'}\n\n"
+            f"**{report.rule}** ended **{RUN_STATE_NAMES[report.ended_by]}**: {report.message or 'caught up'}\n\n"
             f"cursor before: {_cursor_words(report.cursor_before)}  \n"
             f"cursor after: {_cursor_words(report.cursor_after)}  \njobs: {report.batches}"
             + (f"  \nwaited for the target's traffic: {report.waited_seconds:.1f} s" if report.waited_seconds else "")

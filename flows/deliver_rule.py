@@ -278,7 +278,7 @@ async def _close(reporter: ChainReporter, stopped: BaseException | None) -> Stat
         report = chain.finish(stopped, cancelled=cancelled)
         await reporter.close(report, fault)
     if stopped is None:
-        logger.info("chain of %s ended by %s: %s", chain.rule.name, report.ended_by.value, report.message)
+        logger.info("chain of %s ended %s: %s", chain.rule.name, RUN_STATE_NAMES[report.ended_by], report.message)
         name = STATE_NAMES.get(report.ended_by, "Completed")
         return Completed(message=report.message, data=report.as_json(), name=name)
     if cancelled:

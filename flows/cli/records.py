@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from typing import Annotated
 
@@ -105,6 +104,21 @@ def show_attempts(
         ],
         empty="no requests recorded for this record (none made, or older than DELIVERY_ATTEMPTS_KEEP_DAYS)",
     )
+
+
+def _criteria_text(criteria: dict[str, object]) -> str:
+    """A requeue's selection in words (`statuses exhausted, remote_gone; ids c-1, c-2`), what was
+    not given left out."""
+    parts = []
+    for key, label in (("statuses", "statuses"), ("external_ids", "ids")):
+        values = criteria.get(key)
+        if isinstance(values, list) and values:
+            parts.append(f"{label} {', '.join(str(v) for v in values)}")
+    if criteria.get("error_contains"):
+        parts.append(f"error contains {criteria['error_contains']!r}")
+    if criteria.get("since"):
+        parts.append(f"since {criteria['since']}")
+    return "; ".join(parts) or "-"
 
 
 def _parse_time(value: str) -> datetime:
@@ -218,7 +232,7 @@ def requeues_command(
                 "rule": r["rule"],
                 "by": r["requested_by"],
                 "count": str(r["count"]),
-                "criteria": json.dumps(r["criteria"]),
+                "criteria": _criteria_text(r["criteria"]),
             }
             for r in rows
         ],

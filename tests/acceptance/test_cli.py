@@ -340,7 +340,7 @@ def test_run_delivers_and_prints_json_alone_on_stdout(live: Path, target: Target
     assert result["flow_run_id"]
     stored = target.records("contacts")
     assert sorted(r["email"] for r in stored.values()) == ["a@example.com", "b@example.com"]
-    assert f"chain of {RULE} ended by caught_up" in proc.stderr  # Prefect's logs: on stderr, not mixed in
+    assert f"chain of {RULE} ended CaughtUp" in proc.stderr  # Prefect's logs: on stderr, not mixed in
     no_secret(proc)
 
     rows = as_json(delivery("ledger", "--json", cwd=live))
