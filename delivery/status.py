@@ -230,17 +230,25 @@ def last_message(row: dict[str, Any]) -> str:
 
 def status_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The overview as the `delivery-status` table artifact shows it, one row per rule, every cell
-    plain words or a number: the `standing` columns, then the counts per ledger status and the
+    plain words or a number: the `standing` columns, then the ledger's counts in one column (the
+    statuses it has: a table one column per status no longer fits a 1280-pixel screen), the
     retries due, and the last chain's message."""
     return [
         {
             **standing(r),
-            **{each.value.replace("_", " "): r["counts"].get(each.value, 0) for each in LedgerStatus},
+            "records": counts_text(r["counts"]),
             "due retries": r["due_retries"],
             "message": last_message(r),
         }
         for r in rows
     ]
+
+
+def counts_text(counts: dict[str, int]) -> str:
+    """A rule's ledger counts in words, the statuses it has in the ledger's order (`18 delivered,
+    2 exhausted`); `none` for a rule with no row yet."""
+    said = [f"{counts[s.value]} {s.value.replace('_', ' ')}" for s in LedgerStatus if counts.get(s.value)]
+    return ", ".join(said) or "none"
 
 
 def auth_view(connection: Connection) -> dict[str, str] | None:

@@ -227,3 +227,36 @@ def test_an_install_renames_the_automation_installed_under_the_former_name_in_pl
     old_id, (installed, kept) = asyncio.run(scenario())
     assert (installed.action, installed.id, installed.name) == ("updated", str(old_id), automation.name)
     assert (kept.id, kept.name, kept.enabled) == (old_id, automation.name, False)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_ticks_a_third_of_a_window_apart_from_the_install_on_never_fire_it_and_one_stop_fires_it_once(
+    api: str, receiver: _Receiver, engine: sa.Engine
+) -> None:
+    """Issue 32, point 4, at a ninth of the scale: ticks every minute under a three-minute window
+    for ten minutes (here every 6.7 s under 20 s, for 70 s), from the install on: no alert; then the
+    ticks stop (a paused schedule): one alert, one window after the last completed tick."""
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    block = unique("ops")
+    CustomWebhookNotificationBlock(
+        name="delivery alerts", url=receiver.url, json_data={"subject": "{{subject}}", "body": "{{body}}"}
+    ).save(block)
+    (name,) = [a.name for path, a in automations(uuid4(), True) if path.name == TICK_MISSING_FILE]
+    installed_at = datetime.now(UTC)
+    done = asyncio.run(install(f"custom-webhook/{block}", True, tick_missing_within=WINDOW))
+    (automation_id,) = [i.id for i in done if i.name == name]
+    every = WINDOW / 3
+    ticks = [_tick()]
+    while datetime.now(UTC) - installed_at < WINDOW * 3.5:
+        next_at = ticks[-1][1] + every
+        time.sleep(max((next_at - datetime.now(UTC)).total_seconds(), 0))  # a schedule's pace, not a wait for a state
+        ticks.append(_tick())
+    quiet = _firings(automation_id, installed_at)
+    assert quiet == [], f"fired while ticks completed every {every.total_seconds():.1f} s: {quiet}"
+    last_completed = ticks[-1][1]
+    (fired,) = _wait_for(
+        lambda: _firings(automation_id, installed_at), (3 * WINDOW + LATE).total_seconds(), "the firing"
+    )
+    late = fired - last_completed
+    assert WINDOW - timedelta(seconds=1) <= late <= WINDOW + LATE, late

@@ -58,7 +58,7 @@ def test_tick_json_says_what_it_ran_and_the_status_artifact_shows_the_result(wor
     assert len(artifacts) == 1
     data = artifacts[0].data
     [row] = json.loads(data) if isinstance(data, str) else data
-    assert row["rule"] == RULE and row["delivered"] == 2 and row["last chain"] == "CaughtUp"
+    assert row["rule"] == RULE and row["records"] == "2 delivered" and row["last chain"] == "CaughtUp"
     assert row["due retries"] == 0 and row["lag"] == "none"
 
 
