@@ -308,6 +308,10 @@ def _renew(lease_id: UUID, stop: threading.Event) -> None:
                 log.warning("could not renew the rule lock lease %s: %s", lease_id, exc)
 
 
+#: How long a job first tries for the rule lock before it says it waits (a free lock is taken at once).
+FIRST_TRY_SECONDS = 0.5
+
+
 @asynccontextmanager
 async def rule_lock(chain: Chain, logger: RunLogger | None = None) -> AsyncIterator[None]:
     """Hold the rule lock for one job. `logger`: the chain's run logger, where waits and repairs
@@ -315,13 +319,21 @@ async def rule_lock(chain: Chain, logger: RunLogger | None = None) -> AsyncItera
     name = await ensure_lock(chain.rule.name)
     repair: LockRepair | None = None
     started = time.monotonic()
+    step = FIRST_TRY_SECONDS
     while True:
         try:
-            lease_id = await acquire_lease(
-                name, timeout_seconds=liveness.lock_wait_step_seconds(), lease_seconds=liveness.LEASE_SECONDS
-            )
+            lease_id = await acquire_lease(name, timeout_seconds=step, lease_seconds=liveness.LEASE_SECONDS)
             break
         except TimeoutError:
+            if step == FIRST_TRY_SECONDS:
+                # Said as the wait begins: a run that seems stuck says why at once.
+                step = liveness.lock_wait_step_seconds()
+                holders = [h for h in liveness.lock_holders(chain.engine, chain.rule.id) if h.token != chain.token]
+                held = f"held by chain {holders[0].token} (flow run {holders[0].flow_run_id or '-'})" if holders else (
+                    "held by no chain on record"
+                )  # fmt: skip
+                (logger or log).info("waiting for the rule lock %s, %s", name, held)
+                continue
             repair = repair or LockRepair(
                 chain, name, repossessor=server_repossesses_leases(), logger=logger or log, waiting_since=started
             )

@@ -320,7 +320,9 @@ def test_a_wait_for_the_rule_lock_and_the_repair_of_a_dead_holder_are_in_the_run
     result = world.run()
     assert result["ended_by"] == "caught_up"
     logs = run_logs(result["flow_run_id"])
-    (waiting,) = [m for m in logs if "waiting for the rule lock" in m]
+    (begins,) = [m for m in logs if m.startswith("waiting for the rule lock")]  # said at once
+    assert f"held by chain {token} (flow run 0000-dead-run)" in begins
+    (waiting,) = [m for m in logs if "waiting for the rule lock" in m and "so far" in m]
     assert f"chain {token} (flow run 0000-dead-run, pid {finished.pid} on {liveness.this_host()}" in waiting
     assert "for 1 s so far" in waiting or "for 2 s so far" in waiting
     assert any(f"freed the lock of dead chain {token}" in m and "its lease was released" in m for m in logs)
