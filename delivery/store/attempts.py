@@ -10,6 +10,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from delivery.domain import Candidate, Outcome
+from delivery.storable import storable_text
 from delivery.store.tables import attempts_table, mirror_records_table
 
 #: Built once: written with every settle that carries requests.
@@ -27,11 +28,12 @@ def write(conn: sa.Connection, rule_id: int, settled: Sequence[tuple[Candidate, 
             "chain_run_id": attempt.chain_run_id,
             "verb": attempt.verb,
             "method": attempt.method,
-            "path": attempt.path[:2000],
+            # Text as both databases store it alike (a NUL or a lone surrogate in an answer is kept as �).
+            "path": storable_text(attempt.path)[:2000],
             "status_code": attempt.status_code,
-            "error": attempt.error,
+            "error": None if attempt.error is None else storable_text(attempt.error),
             "duration_ms": attempt.duration_ms,
-            "answer_excerpt": attempt.answer_excerpt,
+            "answer_excerpt": None if attempt.answer_excerpt is None else storable_text(attempt.answer_excerpt),
             "outcome": outcome.status.value,
         }
         for candidate, outcome in settled
