@@ -119,7 +119,7 @@ def test_other_listings_at_80_columns_cut_nothing(narrow_world: World, tmp_path:
     if command == ["ledger"]:
         assert f"{CONTACTS} / bad" in words and LONG_ERROR in words
     if command == ["requeues"]:
-        assert CONTACTS in words and '"error_contains": "enterprise"' in words
+        assert CONTACTS in words and "statuses failed; error contains 'enterprise'" in words
 
 
 def test_mirror_load_json_reports_the_load(engine: sa.Engine, tmp_path: Path) -> None:

@@ -104,7 +104,7 @@ def test_flow_run_is_named_and_tagged_and_publishes_a_summary_artifact(world: Wo
     assert name == f"{RULE} -> crm"
     assert {f"rule:{RULE}", "target:crm"} <= set(tags)
     (artifact,) = [a for a in artifacts if a["key"] == f"chain-{RULE}"]
-    assert "caught_up" in artifact["description"] and "cursor after" in artifact["description"]
+    assert "ended **CaughtUp**" in artifact["description"] and "cursor after" in artifact["description"]
     rows = artifact["data"] if isinstance(artifact["data"], list) else yaml.safe_load(artifact["data"])
     delivered = next(r for r in rows if r["outcome"] == "delivered")
     assert delivered == {"outcome": "delivered", "drained": 0, "scanned": 2, "total": 2}
@@ -118,4 +118,4 @@ def test_failed_chain_still_publishes_its_artifact_and_state_message(world: Worl
     assert result["state"] == "FAILED"
     _, _, artifacts = asyncio.run(_flow_run(result["flow_run_id"]))
     (summary,) = [a for a in artifacts if a["key"] == f"chain-{RULE}"]
-    assert "rule_fault" in summary["description"] and "MissingWriter" in summary["description"]
+    assert "ended **Failed**" in summary["description"] and "MissingWriter" in summary["description"]
