@@ -33,17 +33,8 @@ class Exchange:
     answer_excerpt: str | None
 
     def attempt(self, verb: str, chain_run_id: str | None) -> Attempt:
-        return Attempt(
-            at=self.at,
-            verb=verb,
-            method=self.method,
-            path=self.path,
-            status_code=self.status_code,
-            error=self.error,
-            duration_ms=self.duration_ms,
-            answer_excerpt=self.answer_excerpt,
-            chain_run_id=chain_run_id,
-        )
+        """The request as a record's history keeps it: what the writer saw, the verb and the run."""
+        return Attempt(verb=verb, chain_run_id=chain_run_id, **dataclasses.asdict(self))
 
 
 _listener: ContextVar[list[Exchange] | None] = ContextVar("delivery_exchanges", default=None)
@@ -56,10 +47,6 @@ _observers: list[Observer] = []
 def observe(observer: Observer) -> None:
     """Tell `observer` of every request made from now on, in this process (after its step heard it)."""
     _observers.append(observer)
-
-
-def observers() -> list[Observer]:
-    return list(_observers)
 
 
 def told(target: str, verb: str, exchange: Exchange) -> None:

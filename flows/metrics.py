@@ -19,7 +19,7 @@ import os
 import tempfile
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from delivery import attempts
@@ -55,15 +55,22 @@ def _heard(target: str, verb: str, exchange: attempts.Exchange) -> None:
     REQUEST_SECONDS.labels(target=target, verb=verb).observe(exchange.duration_ms / 1000)
 
 
-def serve_metrics(port: int, address: str = "0.0.0.0") -> None:
-    """Serve the metrics on `port` from a daemon thread of this process (once per port), and start
-    timing every request the process's chains make."""
+# Every process that reports chains times their requests, whether it serves the metrics itself
+# (`delivery worker`) or a parent adds up its files (a run's process under `delivery serve`).
+attempts.observe(_heard)
+
+
+def _start(port: int, address: str, registry: CollectorRegistry | None = None) -> None:
+    """The exporter's thread on `port`, once per port and process."""
     with _lock:
-        if port in _started:
-            return
-        start_http_server(port, addr=address)
-        _started.add(port)
-    observe_requests()
+        if port not in _started:
+            start_http_server(port, addr=address, registry=registry or REGISTRY)
+            _started.add(port)
+
+
+def serve_metrics(port: int, address: str = "0.0.0.0") -> None:
+    """Serve this process's metrics on `port` from a daemon thread (`delivery worker`)."""
+    _start(port, address)
 
 
 #: prometheus_client's directory for the metrics of many processes (set before they start).
@@ -79,15 +86,5 @@ def serve_metrics_of_processes(port: int, address: str = "0.0.0.0") -> str:
     os.environ[MULTIPROC_ENV] = directory
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
-    with _lock:
-        if port not in _started:
-            start_http_server(port, addr=address, registry=registry)
-            _started.add(port)
+    _start(port, address, registry)
     return directory
-
-
-def observe_requests() -> None:
-    """Time every request this process's chains make (`delivery_request_seconds`); once."""
-    with _lock:
-        if _heard not in attempts.observers():
-            attempts.observe(_heard)

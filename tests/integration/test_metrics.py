@@ -56,9 +56,14 @@ def test_the_metrics_of_many_processes_are_served_added_up(tmp_path: object) -> 
     directory = str(tmp_path)
     child = textwrap.dedent(
         """
+        from datetime import UTC, datetime
+        from delivery import attempts
         from flows import metrics
         metrics.RECORDS.labels(rule="r", target="t", outcome="delivered").inc(3)
         metrics.TARGET_PAUSED.labels(target="t").set(1)
+        # A chain's request in a run's process, where nothing serves metrics: timed all the same.
+        exchange = attempts.Exchange(datetime.now(UTC), "POST", "contacts", 201, None, 12, None)
+        attempts.told("t", "create", exchange)
         """
     )
     env = {**os.environ, metrics.MULTIPROC_ENV: directory}
@@ -77,3 +82,4 @@ def test_the_metrics_of_many_processes_are_served_added_up(tmp_path: object) -> 
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     assert sample(text, "delivery_records_total", rule="r", target="t", outcome="delivered") == 6.0
     assert sample(text, "delivery_target_paused", target="t") == 1.0
+    assert sample(text, "delivery_request_seconds_count", target="t", verb="create") == 2.0
