@@ -27,6 +27,21 @@ MetricsPort = typer.Option(
 )
 
 
+def _serve_metrics(port: int, *, of_processes: bool) -> None:
+    """`--metrics-port`: this process's metrics, or those of the runs' processes added up; a port
+    that cannot be listened on is refused, naming it."""
+    from flows.metrics import serve_metrics, serve_metrics_of_processes
+
+    try:
+        if of_processes:
+            serve_metrics_of_processes(port)
+        else:
+            serve_metrics(port)
+    except OSError as exc:
+        raise InputError(f"--metrics-port: cannot listen on {port}: {exc.strerror or exc}") from None
+    say(f"metrics: http://127.0.0.1:{port}/metrics")
+
+
 @app.command("serve")
 def serve_command(
     port: Annotated[
@@ -39,13 +54,7 @@ def serve_command(
     Without PREFECT_API_URL it first starts a local Prefect server (SQLite under PREFECT_HOME) and prints
     the UI address; Ctrl-C or SIGTERM stops everything (exit 0), a second one stops it at once."""
     if metrics_port is not None:
-        from flows.metrics import serve_metrics_of_processes
-
-        try:
-            serve_metrics_of_processes(metrics_port)
-        except OSError as exc:
-            raise InputError(f"--metrics-port: cannot listen on {metrics_port}: {exc.strerror or exc}") from None
-        say(f"metrics: http://127.0.0.1:{metrics_port}/metrics")
+        _serve_metrics(metrics_port, of_processes=True)
     from flows.serve import serve_forever
 
     serve_forever(port)
@@ -68,13 +77,7 @@ def worker_command(
     from flows.worker import NoPool, NoServer, run_worker
 
     if metrics_port is not None:
-        from flows.metrics import serve_metrics
-
-        try:
-            serve_metrics(metrics_port)
-        except OSError as exc:
-            raise InputError(f"--metrics-port: cannot listen on {metrics_port}: {exc.strerror or exc}") from None
-        say(f"metrics: http://127.0.0.1:{metrics_port}/metrics")
+        _serve_metrics(metrics_port, of_processes=False)
 
     try:
         raise typer.Exit(run_worker(pool=pool, name=name, limit=limit, poll_seconds=poll_seconds, say=say))
