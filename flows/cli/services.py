@@ -49,7 +49,8 @@ def serve_command(
     ] = 4200,
     metrics_port: Annotated[int | None, MetricsPort] = None,
 ) -> None:
-    """The long-running job on one machine: serves delivery-tick (every 5 minutes), deliver-rule and delivery-requeue.
+    """The long-running job on one machine: serves delivery-tick (every 5 minutes), deliver-rule,
+    delivery-requeue, delivery-preview and delivery-record.
 
     Without PREFECT_API_URL it first starts a local Prefect server (SQLite under PREFECT_HOME) and prints
     the UI address; Ctrl-C or SIGTERM stops everything (exit 0), a second one stops it at once."""
@@ -70,7 +71,8 @@ def worker_command(
     ] = 5.0,
     metrics_port: Annotated[int | None, MetricsPort] = None,
 ) -> None:
-    """Run chains in this long-lived process: takes deliver-rule (and tick, requeue, preview) runs from the pool.
+    """Run chains in this long-lived process: takes deliver-rule (and tick, requeue, preview and
+    record) runs from the pool.
 
     The warm alternative to `prefect worker start --pool delivery`, which starts a process per run. Needs
     PREFECT_API_URL. Ctrl-C or SIGTERM cancels the runs in flight and stops (exit 0); a second one at once."""
