@@ -81,9 +81,15 @@ def stored_open_until(conn: sa.Connection, target: Connection, now: datetime) ->
     return _open_until(row.state, row.opened_at, target.breaker.reset_seconds, now)
 
 
+def _until_in_words(until: datetime) -> str:
+    """When the breaker lets a trial call through, as the operator's lines say a time (`13:57:41 UTC`;
+    a cooldown is minutes, the day goes without saying)."""
+    return until.astimezone(UTC).strftime("%H:%M:%S UTC")
+
+
 def open_message(target: str, until: datetime | None) -> str:
     """How a chain the open breaker stops (or a preview of it) says so."""
-    when = f" until {until.isoformat(timespec='seconds')}" if until else ""
+    when = f" until {_until_in_words(until)}" if until else ""
     return f"breaker open for target {target!r}{when}; the connection status is unchanged"
 
 
@@ -95,7 +101,7 @@ def state_in_words(conn: sa.Connection, target: Connection, now: datetime) -> st
     until = reopens_at(state.opened_at, target.breaker.reset_seconds)
     if state.state == pybreaker.STATE_OPEN and until is not None:
         if until > now:
-            return f"open until {until.isoformat(timespec='seconds')}"
+            return f"open until {_until_in_words(until)}"
         return "open (a trial call is due)"
     return str(state.state)
 

@@ -228,20 +228,33 @@ def last_message(row: dict[str, Any]) -> str:
     return str((row["last_chain"] or {}).get("message") or "-")
 
 
+#: How much of the last chain's message the artifact's table shows: the whole table then fits a
+#: 1280-pixel screen beside Prefect's side panels; the whole message is the chain run's state message.
+TABLE_MESSAGE_CHARS = 48
+
+
 def status_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The overview as the `delivery-status` table artifact shows it, one row per rule, every cell
     plain words or a number: the `standing` columns, then the ledger's counts in one column (the
     statuses it has: a table one column per status no longer fits a 1280-pixel screen), the
-    retries due, and the last chain's message."""
+    retries due, and the start of the last chain's message."""
     return [
         {
             **standing(r),
             "records": counts_text(r["counts"]),
             "due retries": r["due_retries"],
-            "message": last_message(r),
+            "message": shortened(last_message(r), TABLE_MESSAGE_CHARS),
         }
         for r in rows
     ]
+
+
+def shortened(text: str, chars: int) -> str:
+    """`text` cut to at most `chars` characters at a word, with an ellipsis when cut."""
+    if len(text) <= chars:
+        return text
+    cut = text[: chars - 1].rsplit(" ", 1)[0] if " " in text[: chars - 1] else text[: chars - 1]
+    return cut.rstrip(" ,;:") + "…"
 
 
 def counts_text(counts: dict[str, int]) -> str:
