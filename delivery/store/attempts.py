@@ -39,7 +39,10 @@ def write(conn: sa.Connection, rule_id: int, settled: Sequence[tuple[Candidate, 
         for candidate, outcome in settled
         for attempt in outcome.tried
     ]
-    if rows:
+    if len(rows) == 1:
+        # A per_record settle's one row: a plain execute, not the executemany path.
+        conn.execute(_INSERT, rows[0])
+    elif rows:
         conn.execute(_INSERT, rows)
 
 
