@@ -23,6 +23,7 @@ import subprocess
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from delivery.store.tables import chains_table, rules_table
 from tests.integration.world import World
 from tests.prefect_server import api_call, prefect_server
 from tests.support.databases import create_postgres_database, drop_postgres_database
+from tests.support.hog import cpu_hog
 from tests.support.in_flight import InFlight
 from tests.support.workers import DELIVERY, PREFECT, ROOT, Workers, run_tick, world_of
 from tests.target_server import TargetServer
@@ -269,6 +271,67 @@ def test_kill_9_of_a_warm_worker_holding_several_chains_the_next_tick_takes_them
             .all()
         )
     assert sorted(dead) == sorted(names)
+
+
+def _states(api: str, run_id: str) -> list[tuple[str, datetime]]:
+    """A run's states as the server recorded them, oldest first: (type, timestamp)."""
+    found = api_call("GET", f"{api}/flow_run_states/?flow_run_id={run_id}")
+    return sorted(((s["type"], datetime.fromisoformat(s["timestamp"])) for s in found), key=lambda s: s[1])
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_worker_at_its_limit_on_a_loaded_machine_starts_every_run_it_claims_at_once(
+    engine: sa.Engine,
+    target: TargetServer,
+    server: tuple[str, dict[str, str]],
+    workers: Workers,
+    db_url: str,
+    tmp_path: Path,
+) -> None:
+    """Issue 32, point 1: a run `delivery worker` set Pending sat there for 15 minutes, its threads
+    idle, at a load average of 5. Here three times more chains than the worker's limit, beside two
+    processes that keep both cores busy: the worker claims a run only when a thread is free (never
+    more than its limit Pending or Running at once), every run it claims goes on to Running, none is
+    left Pending, and every chain ends CaughtUp."""
+    names = [f"contacts-l{i}" for i in range(1, 7)]
+    limit = 2
+    world = world_of(engine, target, names, records=10, latency_s=0.02)
+    api, env = server
+    earlier = {str(run["id"]) for run in _runs(api)}
+    with cpu_hog(2):
+        workers.start("warm-loaded", limit=limit)
+        tick = run_tick(env, db_url, tmp_path)
+        assert tick["started"] == len(names), tick
+
+        def all_ended() -> bool:
+            runs = _runs(api, earlier)
+            return len(runs) == len(names) and all(run["state_type"] in FINAL for run in runs)
+
+        _wait("every run to end", all_ended, workers, seconds=600)
+    runs = _runs(api, earlier)
+    assert {run["state_name"] for run in runs} == {"CaughtUp"}, [(r["name"], r["state_name"]) for r in runs]
+    assert all(_delivered(world, rule) == 10 for rule in names)
+    assert sorted(workers.ran("warm-loaded")) == sorted(str(run["id"]) for run in runs)
+
+    held: list[tuple[datetime, int]] = []  # +1 when a run is claimed (Pending), -1 when it ends
+    waits = []
+    for run in runs:
+        states = _states(api, str(run["id"]))
+        kinds = [kind for kind, _ in states]
+        assert kinds[-1] == "COMPLETED" and "PENDING" in kinds and "RUNNING" in kinds, (run["name"], kinds)
+        pending = max(at for kind, at in states if kind == "PENDING")
+        running = min(at for kind, at in states if kind == "RUNNING" and at >= pending)
+        waits.append((running - pending).total_seconds())
+        held += [(pending, 1), (states[-1][1], -1)]
+    at_once = most = 0
+    for _, step in sorted(held):
+        at_once += step
+        most = max(most, at_once)
+    assert most <= limit, f"{most} runs claimed at once by a worker with --limit {limit}"
+    # "At once": what is left between Pending and Running is the engine starting the run in a
+    # thread the worker already had free (API calls to a server on a loaded machine), not a wait
+    # for a thread; nothing like the 62 s and 15 minutes the issue saw.
+    assert max(waits) < 30, f"Pending to Running, seconds: {sorted(waits)}"
 
 
 def test_delivery_worker_refuses_to_start_without_a_server_or_a_pool(
