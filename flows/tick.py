@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from datetime import UTC
 from typing import Any
 from uuid import UUID
@@ -29,6 +30,7 @@ import sqlalchemy as sa
 from prefect import flow, get_client, get_run_logger, tags
 from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas import State
+from prefect.context import FlowRunContext
 from prefect.exceptions import ObjectNotFound
 from prefect.states import Cancelled, Cancelling, Completed, Failed
 
@@ -40,6 +42,7 @@ from delivery.settings import dead_chain_minutes, settings
 from delivery.tick import Launch, TickOutcome, attach_flow_run, plan_tick, prune_attempts, record_launch
 from flows.deliver_rule import deliver_rule, launch_context, launched
 from flows.status_artifact import publish_status
+from flows.tick_events import tick_ended
 
 DELIVER_RULE_DEPLOYMENT = "deliver-rule/deliver-rule"
 #: How many chains' runs the tick creates at once.
@@ -123,6 +126,20 @@ async def delivery_tick(dead_after_minutes: float = 0) -> State[Any]:
             judges it dead, cancels its run and starts a new chain of its rule (at most 10080, a
             week). 0, the default: DELIVERY_DEAD_CHAIN_MINUTES, 15 minutes unless set.
     """
+    run = FlowRunContext.get()
+    assert run is not None and run.flow_run is not None
+    ended = functools.partial(tick_ended, flow_run_id=str(run.flow_run.id), flow_id=str(run.flow_run.flow_id),
+                              run_name=run.flow_run.name)  # fmt: skip
+    try:
+        state = await _tick(dead_after_minutes)
+    except Exception as exc:
+        ended(Failed(message=f"{type(exc).__name__}: {exc}"))
+        raise
+    ended(state)
+    return state
+
+
+async def _tick(dead_after_minutes: float) -> State[Any]:
     logger = get_run_logger()
     # 0 stands for "not given": a number field in the Run form cannot be left empty (None) cleanly.
     if dead_after_minutes != 0:

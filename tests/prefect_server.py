@@ -51,7 +51,7 @@ def api_call(method: str, url: str, json: object = None, attempts: int = 5) -> A
         else:
             if answer.status_code < 500 or attempt == attempts - 1:
                 assert answer.is_success, f"{method} {url}: {answer.status_code} {answer.text[:500]}"
-                return answer.json()
+                return answer.json() if answer.content else None  # a 204 has no body
         time.sleep(1 + attempt)
     raise AssertionError("unreachable")
 
