@@ -83,7 +83,7 @@ screenshots: $(STAMP)
 ## The site's packages (the `docs` extra, pinned in constraints.txt) are installed on first use.
 docs: $(DOCS_STAMP)
 	$(BIN)/python -m tools.docs_reference --check
-	$(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet  # the variable silences a banner about Material's successor
 
 $(DOCS_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,docs]"
