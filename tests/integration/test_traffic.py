@@ -14,7 +14,7 @@ import yaml
 
 from delivery.apply import apply_config
 from delivery.chain import Chain
-from delivery.clock import utcnow
+from delivery.clock import SYSTEM, FakeClock, utcnow
 from delivery.config import parse_config
 from delivery.domain import ChainEnd
 from delivery.store.tables import breaker_states_table, target_traffic_table
@@ -183,7 +183,7 @@ def test_a_sender_that_wakes_too_late_for_its_slot_takes_a_new_one(
     world.apply(target={"rate_limit": {"per_second": per_second}})
     slot = utcnow()
     traffic = TargetTraffic(
-        world.engine, Chain(world.engine, RULE).rule.target, clock=lambda: slot + timedelta(milliseconds=late_ms)
+        world.engine, Chain(world.engine, RULE).rule.target, clock=FakeClock(slot + timedelta(milliseconds=late_ms))
     )
     assert traffic._too_late(slot) is not sent
 
@@ -201,8 +201,8 @@ def test_a_slot_handed_out_before_a_pause_does_not_cross_it(world: World, asynch
 
     world.apply(target={"rate_limit": {"per_second": 10}})
     target = Chain(world.engine, RULE).rule.target
-    a = TargetTraffic(world.engine, target, clock=utcnow)
-    b = TargetTraffic(world.engine, target, clock=utcnow)
+    a = TargetTraffic(world.engine, target, clock=SYSTEM)
+    b = TargetTraffic(world.engine, target, clock=SYSTEM)
     bounds = JobBounds(deadline=utcnow() + timedelta(seconds=30))
     assert a.admit(bounds)  # A's slot: now; B's will be the next, about 0.1 s later
     slot_at: list[datetime] = []
