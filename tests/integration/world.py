@@ -9,7 +9,7 @@ import sqlalchemy as sa
 import yaml
 
 from delivery.apply import apply_config
-from delivery.clock import utcnow
+from delivery.clock import SYSTEM, Clock
 from delivery.config import parse_config
 from delivery.domain import Cursor, MirrorInput
 from delivery.store import catalog, ledger
@@ -33,12 +33,17 @@ def email(external_id: str) -> str:
 
 class World:
     """`through_prefect`: whether `run` runs the `deliver-rule` flow (on the session's Prefect API) or
-    drives the chain in this process without Prefect, for tests of the engine's behaviour alone."""
+    drives the chain in this process without Prefect, for tests of the engine's behaviour alone.
+    `clock`: the chains' clock when driven in this process (a `FakeClock` moves time by hand; the
+    flow makes its own, the system's)."""
 
-    def __init__(self, engine: sa.Engine, target: TargetServer, *, through_prefect: bool = True) -> None:
+    def __init__(
+        self, engine: sa.Engine, target: TargetServer, *, through_prefect: bool = True, clock: Clock = SYSTEM
+    ) -> None:
         self.engine = engine
         self.target = target
         self.through_prefect = through_prefect
+        self.clock = clock
 
     def config(self, *, target: dict[str, Any] | None = None, rule: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
@@ -84,7 +89,7 @@ class World:
 
     def run(self, rule: str = RULE) -> dict[str, Any]:
         """One chain of `rule`, summarised as `delivery run --json` prints it."""
-        return run_now(rule) if self.through_prefect else chains.run(self.engine, rule)
+        return run_now(rule) if self.through_prefect else chains.run(self.engine, rule, clock=self.clock)
 
     def ledger(self, rule: str = RULE) -> dict[str, dict[str, Any]]:
         with self.engine.connect() as conn:
@@ -105,7 +110,7 @@ class World:
             conn.execute(
                 ledger_table.update()
                 .where(ledger_table.c.status == "failed")
-                .values(next_attempt_at=utcnow() - timedelta(seconds=1))
+                .values(next_attempt_at=self.clock.now() - timedelta(seconds=1))
             )
 
     def cursor(self, rule: str = RULE) -> Cursor | None:
