@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -81,11 +81,14 @@ class World:
             apply_config(conn, parse_config(yaml.safe_dump(self.config(**overrides))))
         return self
 
-    def load(self, *ids: str, deleted: bool = False, domain: str = "contact", **fields: Any) -> None:
-        """Upsert records whose payload is {email, name, **fields}; the email is the target's record key."""
+    def load(
+        self, *ids: str, deleted: bool = False, domain: str = "contact", at: datetime | None = None, **fields: Any
+    ) -> None:
+        """Upsert records whose payload is {email, name, **fields}; the email is the target's record key.
+        `at`: when they changed (by default, now on the world's clock)."""
         items = [MirrorInput(i, {"email": email(i), "name": f"Name {i}", **fields}, deleted) for i in ids]
         with self.engine.begin() as conn:
-            load_records(conn, "shop", domain, items)
+            load_records(conn, "shop", domain, items, at or self.clock.now())
 
     def run(self, rule: str = RULE) -> dict[str, Any]:
         """One chain of `rule`, summarised as `delivery run --json` prints it."""
