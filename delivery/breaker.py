@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pybreaker
 import sqlalchemy as sa
 
 from delivery import pybreaker_private
+from delivery.clock import SYSTEM, Clock
 from delivery.domain import Connection, Rule
 from delivery.errors import TargetUnavailable
 from delivery.store.breaker import DatabaseBreakerStorage, breaker_state
@@ -128,12 +129,18 @@ class BreakerListener(pybreaker.CircuitBreakerListener):
 
 class TargetBreaker(pybreaker.CircuitBreaker):
     """pybreaker's breaker over a `DatabaseBreakerStorage`, with the two things the chain asks of it:
-    take a row read alongside a fence check, and say until when it is open."""
+    take a row read alongside a fence check, and say until when it is open.
 
-    def __init__(self, engine: sa.Engine, rule: Rule, listeners: Sequence[BreakerListener] = ()) -> None:
+    Its time is `clock`'s, handed to its storage (see `delivery.clock`): when it opens, when its
+    cooldown ends, how old a row it was handed is. Listeners reach the clock as `breaker.clock`."""
+
+    def __init__(
+        self, engine: sa.Engine, rule: Rule, listeners: Sequence[BreakerListener] = (), clock: Clock = SYSTEM
+    ) -> None:
         settings = rule.target.breaker
         self.target = rule.target.name
-        self.storage = DatabaseBreakerStorage(engine, rule.target.id)
+        self.clock = clock
+        self.storage = DatabaseBreakerStorage(engine, rule.target.id, clock)
         #: (replaced, new) while listeners are told of a change this instance wrote.
         self._change: tuple[str, str] | None = None
         super().__init__(
@@ -154,7 +161,7 @@ class TargetBreaker(pybreaker.CircuitBreaker):
 
     def open(self) -> bool:
         with pybreaker_private.lock(self):
-            self.storage.opened_at = datetime.now(UTC)
+            self.storage.mark_opened(self.clock.now())
             self._switch(pybreaker.STATE_OPEN)
             return pybreaker_private.throws_new_error_on_trip(self)
 
@@ -187,7 +194,7 @@ class TargetBreaker(pybreaker.CircuitBreaker):
         trial call after a cooldown may have failed) or half-open; None while it is closed."""
         if self.current_state == pybreaker.STATE_CLOSED:
             return None
-        until = reopens_at(self.storage.opened_at, self.reset_timeout)
+        until = reopens_at(self.storage.opened_on_clock, self.reset_timeout)
         return max(until, now) if until is not None else now + timedelta(seconds=self.reset_timeout)
 
     def failures_since_success(self) -> int:
@@ -200,4 +207,4 @@ class TargetBreaker(pybreaker.CircuitBreaker):
         """When an open breaker lets a trial call through; None when it is not open now."""
         if self.current_state != pybreaker.STATE_OPEN:
             return None
-        return _open_until(pybreaker.STATE_OPEN, self.storage.opened_at, self.reset_timeout, now)
+        return _open_until(pybreaker.STATE_OPEN, self.storage.opened_on_clock, self.reset_timeout, now)

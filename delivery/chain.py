@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -29,7 +29,7 @@ from delivery import decisions, liveness
 from delivery.async_job import AsyncJob
 from delivery.breaker import BreakerListener, TargetBreaker, open_message
 from delivery.bulk import BulkJob, offers_batches
-from delivery.clock import utcnow
+from delivery.clock import SYSTEM, Clock
 from delivery.domain import (
     BatchReport,
     Candidate,
@@ -90,7 +90,7 @@ class Chain:
         *,
         flow_run_id: str | None = None,
         token: str | None = None,
-        clock: Callable[[], datetime] = utcnow,
+        clock: Clock = SYSTEM,
         breaker_listeners: Sequence[BreakerListener] = (),
         traffic_listeners: Sequence[TrafficListener] = (),
     ) -> None:
@@ -146,7 +146,7 @@ class Chain:
         closed = decisions.gate(rule)
         if closed is not None:
             return self._end(*closed)
-        self._breaker = TargetBreaker(self.engine, rule, self._breaker_listeners)
+        self._breaker = TargetBreaker(self.engine, rule, self._breaker_listeners, self.clock)
         self._worker_breakers = [self._breaker]
         until = self._breaker.open_until(self.clock())
         if until is not None:
@@ -175,7 +175,7 @@ class Chain:
             options["concurrency"] = rule.concurrency if writer_type.thread_safe else 1
         if rule.target.auth is not None and accepts_credentials(writer_type):
             options["credentials"] = self._read_credentials(rule)
-            options["refresh_store"] = RefreshTokens(self.engine, rule.target.id)
+            options["refresh_store"] = RefreshTokens(self.engine, rule.target.id, self.clock)
         writer = writer_type(rule.target, rule.collection, **options)
         if self._writer is not None:
             self._writer.close()
@@ -232,7 +232,7 @@ class Chain:
         log.info("rule %s: saved while its chain runs; its next job uses the saved rule", saved.name)
         if saved.target.breaker != self.rule.target.breaker:
             # Same target row, new thresholds: new breakers over the same shared state.
-            self._breaker = TargetBreaker(self.engine, saved, self._breaker_listeners)
+            self._breaker = TargetBreaker(self.engine, saved, self._breaker_listeners, self.clock)
             self._worker_breakers = [self._breaker]
         self._equip(saved)
 
@@ -461,7 +461,7 @@ class Chain:
             # per chain (each costs round trips) and handed to the next batch's workers: a batch's
             # workers have all stopped before the next batch starts.
             if len(taken) == len(self._worker_breakers):
-                self._worker_breakers.append(TargetBreaker(self.engine, self.rule, self._breaker_listeners))
+                self._worker_breakers.append(TargetBreaker(self.engine, self.rule, self._breaker_listeners, self.clock))
             breaker = self._worker_breakers[len(taken)]
             taken.append(breaker)
             return breaker

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, Protocol
@@ -23,6 +22,7 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 
 from delivery.breaker import TargetBreaker
+from delivery.clock import Clock
 from delivery.domain import Candidate, LedgerRow, LedgerStatus, Phase, Rule, Verb
 from delivery.step import RecordStep, Send
 from delivery.store import chains, ledger
@@ -79,15 +79,15 @@ class Heartbeat:
     lock's dead-holder check judge in minutes, and a write per record would make the one chain row
     every worker's settle updates a queue of its own."""
 
-    def __init__(self, token: str, clock: Callable[[], datetime], every: float) -> None:
+    def __init__(self, token: str, clock: Clock, every: float) -> None:
         self._token = token
         self._clock = clock
         self._every = every
-        self._beat_at = time.monotonic()
+        self._beat_at = clock.monotonic()
 
     def __call__(self, conn: sa.Connection, *, every: float | None = None) -> None:
         """Beat in `conn` if the last beat is `every` seconds old (by default the heartbeat's own)."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         if now - self._beat_at >= (self._every if every is None else every):
             self._beat_at = now
             chains.heartbeat(conn, self._token, self._clock())
@@ -105,7 +105,8 @@ class JobContext:
     step: RecordStep
     #: The step's writer, for a job that calls its batch verbs.
     writer: Writer
-    clock: Callable[[], datetime]
+    #: The chain's clock (`delivery.clock`): every moment the job stamps or waits for.
+    clock: Clock
     fence: Fence
     heartbeat: Heartbeat
     #: The latest the job may still make a request (see `bounds`).

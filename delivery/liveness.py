@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import sqlalchemy as sa
 
-from delivery.clock import utcnow
 from delivery.settings import settings
 from delivery.store import chains
 
@@ -114,14 +113,19 @@ NEVER_STARTED_SECONDS = 180.0
 
 
 def judge_chains(conn: sa.Connection, rule_id: int, now: datetime, threshold: timedelta) -> list[ChainLife]:
-    """The rule's open chains, newest first, each alive while its heartbeat is `fresh` within
-    `threshold` and, if the tick launched it, once its run began within `NEVER_STARTED_SECONDS`.
-    A chain's heartbeat is written at launch (so a run still waiting for a worker counts), when its
-    run begins, at every wait step for the lock, as each job starts, as the cursor moves and about
-    once a second while it settles; a warm worker killed with its runs leaves them Running, and only
-    their silence tells."""
+    """The rule's open chains, newest first, judged (`judge`) at `now` within `threshold`."""
+    return judge(chains.open_chains(conn, rule_id), now, threshold)
+
+
+def judge(rows: Iterable[chains.ChainRow], now: datetime, threshold: timedelta) -> list[ChainLife]:
+    """Open chains as the tick judges them at `now`, in the order given: each alive while its
+    heartbeat is `fresh` within `threshold` and, if the tick launched it, once its run began within
+    `NEVER_STARTED_SECONDS`. A chain's heartbeat is written at launch (so a run still waiting for
+    a worker counts), when its run begins, at every wait step for the lock, as each job starts, as
+    the cursor moves and about once a second while it settles; a warm worker killed with its runs
+    leaves them Running, and only their silence tells."""
     lives = []
-    for row in chains.open_chains(conn, rule_id):
+    for row in rows:
         waiting = row.running_at is None and row.ended_at is None
         never_started = waiting and not fresh(row.started_at, now, timedelta(seconds=NEVER_STARTED_SECONDS))
         alive = fresh(row.heartbeat_at, now, threshold) and not never_started
@@ -219,20 +223,20 @@ def _holder(row: chains.ChainRow) -> Holder:
     return Holder(row.token, row.lease_id, row.holder_host, row.holder_pid, row.heartbeat_at, row.flow_run_id)
 
 
-def record_lock(engine: sa.Engine, token: str, lease_id: str | None) -> None:
+def record_lock(engine: sa.Engine, token: str, lease_id: str | None, now: datetime) -> None:
     with engine.begin() as conn:
         chains.record_lock(
-            conn, token, lease_id, this_host() if lease_id else None, os.getpid() if lease_id else None, utcnow()
+            conn, token, lease_id, this_host() if lease_id else None, os.getpid() if lease_id else None, now
         )
 
 
-def beat(engine: sa.Engine, token: str) -> None:
+def beat(engine: sa.Engine, token: str, now: datetime) -> None:
     """A chain waiting for the rule lock is alive: the tick must not judge it dead, and the chain
     holding the lock hands the rule over to it (`newer_waiting`)."""
     with engine.begin() as conn:
-        chains.heartbeat(conn, token, utcnow())
+        chains.heartbeat(conn, token, now)
 
 
-def supersede(engine: sa.Engine, rule_id: int, token: str, message: str) -> None:
+def supersede(engine: sa.Engine, rule_id: int, token: str, message: str, now: datetime) -> None:
     with engine.begin() as conn:
-        chains.supersede(conn, rule_id, token, utcnow(), message)
+        chains.supersede(conn, rule_id, token, now, message)

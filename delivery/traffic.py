@@ -9,9 +9,7 @@ job with `TrafficHeld`, and the chain ends `rate_limited` (Completed): the next 
 
 from __future__ import annotations
 
-import asyncio
 import threading
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -20,6 +18,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from delivery.budget import Held, Slot, late_allowance
+from delivery.clock import Clock
 from delivery.domain import Connection
 from delivery.errors import TargetUnavailable, TrafficHeld
 from delivery.store import traffic as store
@@ -65,13 +64,15 @@ class TrafficListener:
 
 
 class TargetTraffic:
-    """One chain's view of a target's traffic; thread-safe (the chain's workers share it)."""
+    """One chain's view of a target's traffic; thread-safe (the chain's workers share it). Every
+    moment it reads, and every wait, is `clock`'s (`delivery.clock`): on a `FakeClock` a wait for a
+    pause or a slot advances the clock instead of passing real time."""
 
     def __init__(
         self,
         engine: sa.Engine,
         target: Connection,
-        clock: Callable[[], datetime],
+        clock: Clock,
         listeners: Sequence[TrafficListener] = (),
     ) -> None:
         self.engine = engine
@@ -85,7 +86,7 @@ class TargetTraffic:
         self._announced: tuple[str, datetime] | None = None
         # One read when the chain opens; a write only for a target never sent to, or a pause that
         # ended while no chain was sending (it ends here, and is told of as over).
-        now = clock()
+        now = clock.now()
         with engine.connect().execution_options(readonly=True) as conn:
             row = store.traffic_of(conn, [target.id]).get(target.id)
         if row is None:
@@ -93,7 +94,7 @@ class TargetTraffic:
         elif row.paused_until is not None and row.paused_until <= now:
             self._resume()
         else:
-            self._pause = (time.monotonic(), _held(row))
+            self._pause = (self.clock.monotonic(), _held(row))
 
     @property
     def waited_seconds(self) -> float:
@@ -106,10 +107,10 @@ class TargetTraffic:
         Returns False when `bounds.stop` was set meanwhile (nothing may be sent); raises
         `TrafficHeld` when the wait would outlast the job's deadline (nothing was counted)."""
         while True:
-            now = self.clock()
+            now = self.clock.now()
             got = self._take(now, bounds.deadline)
             if isinstance(got, Slot):
-                waits = got.at > self.clock()  # a slot for now was read with the pause: no wait, no read
+                waits = got.at > self.clock.now()  # a slot for now was read with the pause: no wait, no read
                 self._announce(got.at, "its rate budget")
                 if not self._wait(got.at, bounds):
                     return False
@@ -132,10 +133,10 @@ class TargetTraffic:
         goes out right after the wait's last check that it is not too late (a hop back from a
         thread, on a busy machine, could land it on the next slot's heels)."""
         while True:
-            now = self.clock()
+            now = self.clock.now()
             got = await off_loop(self._take, now, bounds.deadline)
             if isinstance(got, Slot):
-                waits = got.at > self.clock()
+                waits = got.at > self.clock.now()
                 self._announce(got.at, "its rate budget")
                 if not await self._wait_async(got.at, bounds):
                     return False
@@ -161,7 +162,7 @@ class TargetTraffic:
             return False
         with self._lock:
             cached = self._pause
-        if cached is None or time.monotonic() - cached[0] >= PAUSE_READ_SECONDS:
+        if cached is None or self.clock.monotonic() - cached[0] >= PAUSE_READ_SECONDS:
             return False
         return cached[1] is None  # a pause, even one just over, is `admit`'s to wait out or end
 
@@ -174,13 +175,13 @@ class TargetTraffic:
     def pause(self, fault: TargetUnavailable) -> datetime:
         """Pause every send to the target as `fault` (a 429 or 503 with Retry-After) asks. Returns
         when the pause ends."""
-        now = self.clock()
+        now = self.clock.now()
         until = self.pause_end(fault, now)
         reason = f"HTTP {fault.status_code or '-'}, Retry-After {fault.retry_after_seconds:g} s"
         with self.engine.begin() as conn:
             news = store.pause(conn, self.target.id, until, reason, now)
         with self._lock:
-            self._pause = (time.monotonic(), Held(until, reason, paused=True))
+            self._pause = (self.clock.monotonic(), Held(until, reason, paused=True))
         if news:
             for listener in self.listeners:
                 listener.paused(self.target.name, until, reason)
@@ -200,7 +201,7 @@ class TargetTraffic:
     def paused_until(self) -> datetime | None:
         """When the target's pause ends, if it is paused now (read from the database)."""
         with self.engine.connect().execution_options(readonly=True) as conn:
-            row = store.paused_until(conn, self.target.id, self.clock())
+            row = store.paused_until(conn, self.target.id, self.clock.now())
         return None if row is None else row.paused_until
 
     # -- inside --------------------------------------------------------------------------------
@@ -208,14 +209,14 @@ class TargetTraffic:
     def _take(self, now: datetime, latest: datetime) -> Slot | Held:
         if self.target.rate_limit is not None:
             with self.engine.begin() as conn:
-                return store.take_slot(conn, self.target.id, self.target.rate_limit, self.clock, latest)
+                return store.take_slot(conn, self.target.id, self.target.rate_limit, self.clock.now, latest)
         with self._lock:
             cached = self._pause
-        if cached is None or time.monotonic() - cached[0] >= PAUSE_READ_SECONDS:
+        if cached is None or self.clock.monotonic() - cached[0] >= PAUSE_READ_SECONDS:
             with self.engine.connect().execution_options(readonly=True) as conn:
                 row = store.paused_until(conn, self.target.id, now)
             held = _held(row)
-            cached = (time.monotonic(), held)
+            cached = (self.clock.monotonic(), held)
             with self._lock:
                 self._pause = cached
         held = cached[1]
@@ -226,7 +227,7 @@ class TargetTraffic:
         before a pause that began meanwhile (here, or in another process) could hold it back. A
         slot is not a pass through a pause: nothing leaves for a paused target but the requests
         already on their way when the pause began."""
-        now = self.clock()
+        now = self.clock.now()
         with self._lock:
             cached = self._pause
         if cached is not None and cached[1] is not None and cached[1].until > now:
@@ -235,7 +236,7 @@ class TargetTraffic:
             row = store.paused_until(conn, self.target.id, now)
         held = _held(row)
         with self._lock:
-            self._pause = (time.monotonic(), held)
+            self._pause = (self.clock.monotonic(), held)
         return held is not None
 
     def _too_late(self, slot: datetime) -> bool:
@@ -246,13 +247,13 @@ class TargetTraffic:
         limit = self.target.rate_limit
         if limit is None or limit.per_second is None:
             return False
-        return (self.clock() - slot).total_seconds() > late_allowance(limit.per_second)
+        return (self.clock.now() - slot).total_seconds() > late_allowance(limit.per_second)
 
     def _announce(self, until: datetime, what: str) -> None:
         """Tell the listeners a wait of more than `WAIT_NOTICE_SECONDS` begins: once for what it
         waits for, again only after `WAIT_NOTICE_REPEAT_SECONDS` (a saturated budget makes every
         sender wait in turn; the run log needs to hear of it, not of each of them)."""
-        if (until - self.clock()).total_seconds() <= WAIT_NOTICE_SECONDS or not self.listeners:
+        if (until - self.clock.now()).total_seconds() <= WAIT_NOTICE_SECONDS or not self.listeners:
             return
         with self._lock:
             last = self._announced
@@ -263,29 +264,29 @@ class TargetTraffic:
             listener.waiting(self.target.name, until, what)
 
     def _wait(self, until: datetime, bounds: JobBounds) -> bool:
-        seconds = (until - self.clock()).total_seconds()
+        seconds = (until - self.clock.now()).total_seconds()
         if seconds <= 0:
             return not bounds.stop.is_set()
-        began = time.monotonic()
-        stopped = bounds.stop.wait(seconds)
+        began = self.clock.monotonic()
+        stopped = self.clock.wait(bounds.stop, seconds)
         with self._lock:
-            self._waited += time.monotonic() - began
+            self._waited += self.clock.monotonic() - began
         return not stopped
 
     async def _wait_async(self, until: datetime, bounds: JobBounds) -> bool:
         """`_wait` on the loop: asleep in steps, so a stop (the batch cut short) ends it too."""
-        began = time.monotonic()
+        began = self.clock.monotonic()
         try:
-            while (seconds := (until - self.clock()).total_seconds()) > 0 and not bounds.stop.is_set():
-                await asyncio.sleep(min(seconds, STOP_STEP_SECONDS))
+            while (seconds := (until - self.clock.now()).total_seconds()) > 0 and not bounds.stop.is_set():
+                await self.clock.sleep_async(min(seconds, STOP_STEP_SECONDS))
         finally:
             with self._lock:
-                self._waited += time.monotonic() - began
+                self._waited += self.clock.monotonic() - began
         return not bounds.stop.is_set()
 
     def _resume(self) -> None:
         with self.engine.begin() as conn:
-            row = store.end_pause(conn, self.target.id, self.clock())
+            row = store.end_pause(conn, self.target.id, self.clock.now())
         with self._lock:
             self._pause = None
         if row is not None:

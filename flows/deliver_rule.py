@@ -31,6 +31,7 @@ from prefect.states import Cancelled, Completed, Failed
 
 from delivery import liveness
 from delivery.chain import Chain
+from delivery.clock import SYSTEM
 from delivery.db import shared_engine
 from delivery.domain import BatchReport, ChainEnd, Phase
 from delivery.errors import RuleFault
@@ -195,6 +196,7 @@ def _start_chain(
                 rule,
                 flow_run_id=run_id,
                 token=token,
+                clock=SYSTEM,
                 breaker_listeners=listeners,
                 traffic_listeners=traffic,
             )
@@ -202,7 +204,9 @@ def _start_chain(
             if flow_run.get_run_count() <= 1:
                 return Completed(message=f"superseded before it started: {exc}", name=STATE_NAMES[ChainEnd.SUPERSEDED])
             get_run_logger().info("rule %s: this run is a retry; its first chain has ended, a fresh one starts", rule)
-    return Chain(shared_engine(), rule, flow_run_id=run_id, breaker_listeners=listeners, traffic_listeners=traffic)
+    return Chain(
+        shared_engine(), rule, flow_run_id=run_id, clock=SYSTEM, breaker_listeners=listeners, traffic_listeners=traffic
+    )
 
 
 @flow(name="deliver-rule", retries=0, log_prints=False)
@@ -274,7 +278,7 @@ async def _close(reporter: ChainReporter, stopped: BaseException | None) -> Stat
     # Shielded: under an anyio cancel scope every await would otherwise be cancelled again.
     with anyio.CancelScope(shield=True):
         if cancelled:
-            liveness.supersede(chain.engine, chain.rule.id, chain.token, "chain cancelled")
+            liveness.supersede(chain.engine, chain.rule.id, chain.token, "chain cancelled", chain.clock.now())
         report = chain.finish(stopped, cancelled=cancelled)
         await reporter.close(report, fault)
     if stopped is None:

@@ -45,9 +45,9 @@ import contextvars
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
@@ -61,7 +61,6 @@ from prefect.settings import PREFECT_API_URL
 
 from delivery import liveness
 from delivery.chain import Chain
-from delivery.clock import utcnow
 from flows.prefect_private import ephemeral_api_urls
 
 log = logging.getLogger(__name__)
@@ -208,15 +207,19 @@ class LockRepair:
     chain: Chain
     name: str
     repossessor: bool
-    clock: Callable[[], float] = time.monotonic
     unaccounted_since: float | None = None
     warned: bool = False
     logger: RunLogger = log
-    waiting_since: float = field(default_factory=time.monotonic)
+    #: When the wait began, on the chain's clock (`Clock.monotonic`); by default, as this is made.
+    waiting_since: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.waiting_since is None:
+            self.waiting_since = self.chain.clock.monotonic()
 
     async def after_wait(self) -> None:
         chain = self.chain
-        liveness.beat(chain.engine, chain.token)
+        liveness.beat(chain.engine, chain.token, chain.clock.now())
         holders = [h for h in liveness.lock_holders(chain.engine, chain.rule.id) if h.token != chain.token]
         self._tell_wait(holders)
         if holders:
@@ -227,8 +230,9 @@ class LockRepair:
 
     def _tell_wait(self, holders: list[liveness.Holder]) -> None:
         """One line per wait step: who the chain waits for, so a run that seems stuck says why."""
-        waited = time.monotonic() - self.waiting_since
-        now = utcnow()
+        clock = self.chain.clock
+        waited = clock.monotonic() - (self.waiting_since or 0.0)
+        now = clock.now()
         if not holders:
             who = "by no chain on record (a slot being handed over, or one left by a dead process)"
         else:
@@ -246,7 +250,7 @@ class LockRepair:
         """Free the slot of a holder that died mid-job; a live holder (however slow) is waited for."""
         chain = self.chain
         stale = liveness.holder_stale_after(chain.rule.target.timeout_seconds)
-        now = utcnow()
+        now = chain.clock.now()
         for holder in holders:
             if not liveness.holder_is_dead(holder, now, stale, liveness.this_host()):
                 continue
@@ -258,10 +262,10 @@ class LockRepair:
             )  # fmt: skip
             # Off the record too: superseding an ended chain (one that died in its last release)
             # would leave it there, judged dead again at every wait.
-            liveness.record_lock(chain.engine, holder.token, None)
+            liveness.record_lock(chain.engine, holder.token, None, chain.clock.now())
             liveness.supersede(
                 chain.engine, chain.rule.id, holder.token,
-                f"lock holder (pid {holder.pid} on {holder.host}) died mid-job; {how}",
+                f"lock holder (pid {holder.pid} on {holder.host}) died mid-job; {how}", chain.clock.now(),
             )  # fmt: skip
             self.logger.warning(
                 "rule %s: freed the lock of dead chain %s (flow run %s, pid %s on %s, last heartbeat at %s): %s",
@@ -277,7 +281,7 @@ class LockRepair:
         reset it before that lease has surely expired, and on a server with a repossessor not
         before the repossessor would surely have freed it (`liveness.slot_lost`). The delivery
         database decides who works the rule: nobody on record that long means nobody."""
-        now = self.clock()
+        now = self.chain.clock.monotonic()
         if self.unaccounted_since is None:
             self.unaccounted_since = now
             return
@@ -318,7 +322,7 @@ async def rule_lock(chain: Chain, logger: RunLogger | None = None) -> AsyncItera
     are told (default: this module's logger)."""
     name = await ensure_lock(chain.rule.name)
     repair: LockRepair | None = None
-    started = time.monotonic()
+    started = chain.clock.monotonic()
     step = FIRST_TRY_SECONDS
     while True:
         try:
@@ -340,9 +344,9 @@ async def rule_lock(chain: Chain, logger: RunLogger | None = None) -> AsyncItera
             await repair.after_wait()
     if repair is not None:
         (logger or log).info(
-            "rule %s: took the rule lock after waiting %.0f s", chain.rule.name, time.monotonic() - started
+            "rule %s: took the rule lock after waiting %.0f s", chain.rule.name, chain.clock.monotonic() - started
         )
-    liveness.record_lock(chain.engine, chain.token, str(lease_id))
+    liveness.record_lock(chain.engine, chain.token, str(lease_id), chain.clock.now())
     stop = threading.Event()
     # A thread, not an asyncio task: the batch task runs synchronously on this event loop.
     context = contextvars.copy_context()
@@ -358,7 +362,7 @@ async def rule_lock(chain: Chain, logger: RunLogger | None = None) -> AsyncItera
         # Release, then clear the record: the other order leaves a moment where the slot is taken
         # by a live lease with nobody on record, which a waiter could take for a lost slot.
         cancelled = await _release_even_if_cancelled(lease_id, chain.rule.name, logger or log)
-        liveness.record_lock(chain.engine, chain.token, None)
+        liveness.record_lock(chain.engine, chain.token, None, chain.clock.now())
         if cancelled:
             raise asyncio.CancelledError
 

@@ -35,7 +35,7 @@ from prefect.exceptions import ObjectNotFound
 from prefect.states import Cancelled, Cancelling, Completed, Failed
 
 from delivery import liveness
-from delivery.clock import utcnow
+from delivery.clock import SYSTEM, Clock, utcnow
 from delivery.db import shared_engine
 from delivery.errors import InputError
 from delivery.settings import dead_chain_minutes, settings
@@ -83,7 +83,9 @@ async def _launch(client: PrefectClient, deployment_id: UUID, launch: Launch, to
     return {"flow_run_id": str(run.id), "chain_state": run.state.type.value if run.state else None}
 
 
-async def _launch_all(engine: sa.Engine, launches: list[Launch], outcome: TickOutcome, logger: Any) -> None:
+async def _launch_all(
+    engine: sa.Engine, launches: list[Launch], outcome: TickOutcome, logger: Any, clock: Clock
+) -> None:
     """Start each chain as a run of the deployment, `LAUNCHES_AT_ONCE` at a time, on one client.
 
     A tick over a thousand rules may start hundreds of chains: one after another, each on a client
@@ -95,7 +97,7 @@ async def _launch_all(engine: sa.Engine, launches: list[Launch], outcome: TickOu
         async def one(launch: Launch) -> None:
             async with gate:
                 with engine.begin() as conn:
-                    token = record_launch(conn, launch.rule, utcnow())
+                    token = record_launch(conn, launch.rule, clock.now())
                 started = await _launch(client, deployment.id, launch, token)
                 with engine.begin() as conn:
                     attach_flow_run(conn, token, started["flow_run_id"])
@@ -150,25 +152,26 @@ async def _tick(dead_after_minutes: float) -> State[Any]:
             logger.error("tick refused: %s", exc)
             return Failed(message=str(exc))  # plainly Failed: the tick-failed alert and filters find it
     engine = shared_engine()
+    clock = SYSTEM  # the tick's one clock: every moment it judges or stamps
     threshold = liveness.dead_chain_after(dead_after_minutes or None)
     with engine.connect().execution_options(readonly=True) as conn:
-        plan = plan_tick(conn, utcnow(), threshold)
+        plan = plan_tick(conn, clock.now(), threshold)
     outcome = TickOutcome(plan)
-    outcome.attempts_pruned = prune_attempts(engine, utcnow(), settings().attempts_keep_days)
+    outcome.attempts_pruned = prune_attempts(engine, clock.now(), settings().attempts_keep_days)
 
     for dead in plan.dead:
         message = dead.why
         if dead.flow_run_id:
             await _cancel(dead.flow_run_id, message)
-        liveness.supersede(engine, dead.rule_id, dead.token, message)
+        liveness.supersede(engine, dead.rule_id, dead.token, message, clock.now())
         logger.warning("rule %s: chain %s %s", dead.rule, dead.token, message)
 
     if await _deployment_exists():
-        await _launch_all(engine, plan.start, outcome, logger)
+        await _launch_all(engine, plan.start, outcome, logger, clock)
     else:  # local use and tests: the tick runs each chain itself, one after another
         for launch in plan.start:
             with engine.begin() as conn:
-                token = record_launch(conn, launch.rule, utcnow())
+                token = record_launch(conn, launch.rule, clock.now())
             with tags(*launch.tags), launched(token):
                 state = await deliver_rule.with_options(flow_run_name=launch.run_name)(
                     rule=launch.rule, return_state=True

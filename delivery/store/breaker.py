@@ -5,7 +5,6 @@ fail_max times per worker)."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -15,6 +14,7 @@ import pybreaker
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
+from delivery.clock import SYSTEM, Clock
 from delivery.store.tables import breaker_states_table
 
 #: How long a row the engine read alongside a settle stands in for a read of our own.
@@ -37,12 +37,17 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
     own (they cost as much as the settle itself), while the reset after a success waits for that
     next read. The row is dropped at our next write, and after `SNAPSHOT_SECONDS`; a trip by
     another process is therefore seen one record later, the same race that exists anyway between
-    reading the state and making the call."""
+    reading the state and making the call.
 
-    def __init__(self, engine: sa.Engine, connection_id: int) -> None:
+    Time is read from `clock` (see `delivery.clock`): the moment the breaker opened is stored as the
+    clock has it (`opened_on_clock`), and told to pybreaker (`opened_at`) shifted into the system's
+    wall time it compares it with, so an open breaker's cooldown runs on the engine's clock."""
+
+    def __init__(self, engine: sa.Engine, connection_id: int, clock: Clock = SYSTEM) -> None:
         super().__init__(f"connection-{connection_id}")
         self._engine = engine
         self._id = connection_id
+        self.clock = clock
         self._snapshot: Mapping[str, Any] | None = None
         self._snapshot_at = 0.0
         self._reset_due = False
@@ -75,11 +80,11 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
                 conn.execute(_RESET, {"id": self._id})
                 row = {**row, "fail_counter": 0}
             self._snapshot = row
-            self._snapshot_at = time.monotonic()
+            self._snapshot_at = self.clock.monotonic()
             return row
 
     def _fresh(self) -> Mapping[str, Any] | None:
-        if self._snapshot is not None and time.monotonic() - self._snapshot_at < SNAPSHOT_SECONDS:
+        if self._snapshot is not None and self.clock.monotonic() - self._snapshot_at < SNAPSHOT_SECONDS:
             return self._snapshot
         return None
 
@@ -204,13 +209,26 @@ class DatabaseBreakerStorage(pybreaker.CircuitBreakerStorage):
         return int(self._get("success_counter"))
 
     @property
-    def opened_at(self) -> datetime | None:
+    def opened_on_clock(self) -> datetime | None:
+        """When the breaker last opened, on the engine's clock (as stored)."""
         value: datetime | None = self._get("opened_at")
         return value
 
+    def mark_opened(self, now: datetime) -> None:
+        """Store `now` (read from the engine's clock) as the moment the breaker opened."""
+        self._set(opened_at=now)
+
+    @property
+    def opened_at(self) -> datetime | None:
+        """pybreaker's view: `opened_on_clock` in the system's wall time, which pybreaker's open
+        state compares with `datetime.now(UTC)`; the cooldown so ends when the clock says."""
+        value = self.opened_on_clock
+        return None if value is None else value - self.clock.skew()
+
     @opened_at.setter
     def opened_at(self, value: datetime) -> None:
-        self._set(opened_at=value)
+        # pybreaker's own `open` writes the system's wall time here; stored on the engine's clock.
+        self.mark_opened(value + self.clock.skew())
 
 
 @dataclass(frozen=True)

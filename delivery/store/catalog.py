@@ -140,11 +140,13 @@ def list_connections(conn: sa.Connection) -> list[Connection]:
     ]
 
 
-def set_connection_status(conn: sa.Connection, name: str, status: ConnectionStatus) -> None:
+def set_connection_status(
+    conn: sa.Connection, name: str, status: ConnectionStatus, now: datetime | None = None
+) -> None:
     result = conn.execute(
         connections_table.update()
         .where(connections_table.c.name == name)
-        .values(status=status.value, updated_at=utcnow())
+        .values(status=status.value, updated_at=now or utcnow())
     )
     if result.rowcount == 0:
         raise UnknownName(f"no connection named {name!r}")
@@ -180,14 +182,19 @@ class ApplyReport:
 
 
 def _upsert(
-    conn: sa.Connection, table: sa.Table, kind: str, name: str, values: dict[str, Any], report: ApplyReport
+    conn: sa.Connection,
+    table: sa.Table,
+    kind: str,
+    name: str,
+    values: dict[str, Any],
+    report: ApplyReport,
+    now: datetime,
 ) -> tuple[int, dict[str, Any] | None]:
     """Insert, or update only what differs (so re-applying a file is a no-op). Returns the id and
     the previous row's values, if there was one."""
     # Locked as read: a concurrent apply compares against what this one writes, not what it read,
     # and (for a rule) no chain claims or settles between the comparison and the retirement.
     existing = conn.execute(sa.select(table).where(table.c.name == name).with_for_update(key_share=True)).one_or_none()
-    now = utcnow()
     if existing is None:
         new_id = conn.execute(
             table.insert().values(name=name, created_at=now, updated_at=now, **values)
@@ -284,7 +291,7 @@ def retire_ledger(conn: sa.Connection, rule_id: int, key_epoch: int, now: dateti
 
 
 def _move_route(
-    conn: sa.Connection, rule_name: str, rule_id: int, before: dict[str, Any], values: dict[str, Any]
+    conn: sa.Connection, rule_name: str, rule_id: int, before: dict[str, Any], values: dict[str, Any], now: datetime
 ) -> Retirement:
     """A rule whose source, domain or target changed starts over on its new route. Its ledger
     rows address records of the old source (the drain would offer them and fail the chain) and
@@ -302,7 +309,6 @@ def _move_route(
     old = _route_text(names, before["source_id"], before["domain"], before["target_id"])
     new = _route_text(names, values["source_id"], values["domain"], values["target_id"])
     reason = f"rule source/domain/target changed from {old} to {new}"
-    now = utcnow()
     # Re-read under the lock `_upsert` took: a chain may have claimed the rule since `before`.
     current = conn.execute(
         sa.select(rules_table.c.chain_token, rules_table.c.key_epoch).where(rules_table.c.id == rule_id)
@@ -328,10 +334,15 @@ def _route_of(values: dict[str, Any]) -> tuple[Any, Any, Any]:
 
 
 def save_config(
-    conn: sa.Connection, declared_connections: Sequence[ConnectionSpec], declared_rules: Sequence[RuleSpec]
+    conn: sa.Connection,
+    declared_connections: Sequence[ConnectionSpec],
+    declared_rules: Sequence[RuleSpec],
+    now: datetime | None = None,
 ) -> ApplyReport:
-    """Upsert every declared connection, then every declared rule, inside the caller's transaction.
-    Nothing here checks that they may be saved: the caller does, in the same transaction, first."""
+    """Upsert every declared connection, then every declared rule, inside the caller's transaction,
+    stamped `now` (the system's time if not given). Nothing here checks that they may be saved: the
+    caller does, in the same transaction, first."""
+    now = now or utcnow()
     report = ApplyReport()
     ids: dict[str, int] = {}
     for c in declared_connections:
@@ -375,7 +386,7 @@ def save_config(
         exists = conn.execute(sa.select(connections_table.c.id).where(connections_table.c.name == c.name)).scalar()
         if c.status is not None or exists is None:
             values["status"] = (c.status or ConnectionStatus.ACTIVE).value
-        ids[c.name], _ = _upsert(conn, connections_table, "connection", c.name, values, report)
+        ids[c.name], _ = _upsert(conn, connections_table, "connection", c.name, values, report, now)
     missing = {r.source for r in declared_rules} | {r.target for r in declared_rules}
     for name, conn_id in conn.execute(
         sa.select(connections_table.c.name, connections_table.c.id).where(
@@ -402,7 +413,7 @@ def save_config(
             "deletes": r.deletes.value,
             "max_deletes_per_chain": r.max_deletes_per_chain,
         }
-        rule_id, before = _upsert(conn, rules_table, "rule", r.name, values, report)
+        rule_id, before = _upsert(conn, rules_table, "rule", r.name, values, report, now)
         if before is not None and _route_of(before) != _route_of(values):
-            report.retired.append(_move_route(conn, r.name, rule_id, before, values))
+            report.retired.append(_move_route(conn, r.name, rule_id, before, values, now))
     return report

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from itertools import islice
 from typing import Any
 
@@ -92,7 +93,9 @@ def source_id(conn: sa.Connection, source: str) -> int:
     return int(found)
 
 
-def load_records(conn: sa.Connection, source: str, domain: str, records: Iterable[MirrorInput]) -> LoadReport:
+def load_records(
+    conn: sa.Connection, source: str, domain: str, records: Iterable[MirrorInput], now: datetime | None = None
+) -> LoadReport:
     """Upsert `records` inside the caller's transaction, so a caller that fails part-way (a bad
     line further on) rolls back everything. `records` is consumed lazily, chunk by chunk.
 
@@ -102,7 +105,8 @@ def load_records(conn: sa.Connection, source: str, domain: str, records: Iterabl
     in the payload it sits.
 
     An id given more than once is stored as its last record and counted once (`repeated` counts
-    the others), as what its last record did to the row the load started from."""
+    the others), as what its last record did to the row the load started from. Every row is
+    stamped `now` (the system's time as each chunk is written, if not given)."""
     for parameter, value in (("source", source), ("domain", domain)):
         problem = text_problem(value)
         if problem is not None:
@@ -133,7 +137,7 @@ def load_records(conn: sa.Connection, source: str, domain: str, records: Iterabl
                 )
             )
         }
-        now = utcnow()
+        stamped = now or utcnow()
         inserts: list[dict[str, Any]] = []
         updates: list[dict[str, Any]] = []
         for item in latest.values():
@@ -150,8 +154,8 @@ def load_records(conn: sa.Connection, source: str, domain: str, records: Iterabl
                         "payload": item.payload,
                         "content_hash": digest,
                         "deleted": item.deleted,
-                        "changed_at": now,
-                        "created_at": now,
+                        "changed_at": stamped,
+                        "created_at": stamped,
                     }
                 )
             elif row.content_hash != digest:
@@ -168,7 +172,7 @@ def load_records(conn: sa.Connection, source: str, domain: str, records: Iterabl
                         "b_payload": item.payload,
                         "b_hash": digest,
                         "b_deleted": item.deleted,
-                        "b_changed_at": now,
+                        "b_changed_at": stamped,
                     }
                 )
             elif before is None:

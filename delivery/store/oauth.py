@@ -4,6 +4,9 @@ configured secret is never written here; no command, log or artifact shows this 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import datetime
+
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
@@ -14,9 +17,10 @@ from delivery.store.tables import oauth_refresh_tokens_table
 class RefreshTokens:
     """The rotated refresh token of one connection."""
 
-    def __init__(self, engine: sa.Engine, connection_id: int) -> None:
+    def __init__(self, engine: sa.Engine, connection_id: int, clock: Callable[[], datetime] = utcnow) -> None:
         self.engine = engine
         self.connection_id = connection_id
+        self.clock = clock
 
     def load(self) -> str | None:
         table = oauth_refresh_tokens_table
@@ -28,7 +32,7 @@ class RefreshTokens:
 
     def save(self, refresh_token: str) -> None:
         table = oauth_refresh_tokens_table
-        values = {"refresh_token": refresh_token, "updated_at": utcnow()}
+        values = {"refresh_token": refresh_token, "updated_at": self.clock()}
         with self.engine.begin() as conn:
             updated = conn.execute(table.update().where(table.c.connection_id == self.connection_id).values(**values))
             if updated.rowcount == 0:

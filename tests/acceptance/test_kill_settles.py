@@ -37,6 +37,7 @@ import yaml
 
 from delivery import decisions, liveness
 from delivery.apply import apply_config
+from delivery.clock import utcnow
 from delivery.config import parse_config
 from delivery.domain import LedgerStatus, MirrorInput
 from delivery.store import catalog, chains
@@ -383,7 +384,7 @@ class Run:
         with self.engine.connect() as conn:
             tokens = [c.token for c in chains.open_chains(conn, self.rule_id)]
         for token in tokens:
-            liveness.supersede(self.engine, self.rule_id, token, "killed by the test (SIGKILL)")
+            liveness.supersede(self.engine, self.rule_id, token, "killed by the test (SIGKILL)", utcnow())
 
     # -- what the ledger knows ----------------------------------------------------------------------
 

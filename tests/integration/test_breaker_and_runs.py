@@ -4,6 +4,7 @@ need them: named and tagged after rule and target, with a summary artifact."""
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 
 import pybreaker
 import pytest
@@ -12,6 +13,8 @@ import yaml
 
 from delivery import db
 from delivery.apply import apply_config
+from delivery.breaker import Refused, TargetBreaker
+from delivery.clock import FakeClock
 from delivery.config import parse_config
 from delivery.errors import TargetUnavailable
 from delivery.store import catalog
@@ -67,19 +70,41 @@ def test_a_breaker_tripped_by_one_rule_stops_another_rule_on_the_same_target(wor
 
 
 def test_breaker_lets_a_trial_through_after_reset_and_closes_on_success(world: World) -> None:
-    # Long enough that record b still finds the breaker open on a loaded machine (with 0.2 s the
-    # gap between a's failure and b's call was once longer, and b became the trial call).
-    world.apply(target={"breaker": {"fail_max": 1, "reset_seconds": 2}})
+    """On a fake clock: nothing waits, and the cooldown ends when the clock says, not when a loaded
+    machine gets round to it (this test once slept 2.1 s for a 2 s cooldown, and with 0.2 s record
+    b sometimes became the trial call)."""
+    clock = world.clock = FakeClock()
+    world.apply(target={"breaker": {"fail_max": 1, "reset_seconds": 60}})  # the retry schedule's first step too
     world.load("a", "b")
     world.target.down = True
     assert world.run()["ended_by"] == "breaker_open"
     world.target.down = False
-    import time
-
-    time.sleep(2.1)
-    world.make_due()
+    sent = len(world.target.requests)
+    clock.advance(59)
+    assert world.run()["ended_by"] == "breaker_open" and len(world.target.requests) == sent  # still cooling
+    clock.advance(1)  # the cooldown is over, and a's retry is due: no row is backdated
     result = world.run()
     assert result["ended_by"] == "caught_up" and result["counts"]["delivered"] == 2
+
+
+def test_the_breakers_own_cooldown_runs_on_the_engines_clock(world: World) -> None:
+    """pybreaker's open state compares the system's time with its storage's `opened_at`: the
+    storage reports it shifted by the clock's skew, so a trial call is let through when the engine's
+    clock (here a fake one, an hour ahead in the end) says the cooldown is over, and not before."""
+    clock = FakeClock()
+    world.apply(target={"breaker": {"fail_max": 1, "reset_seconds": 3600}})
+    with world.engine.connect() as conn:
+        rule = catalog.get_rule(conn, RULE)
+    breaker = TargetBreaker(world.engine, rule, clock=clock)
+    with pytest.raises(TargetUnavailable):
+        breaker.call(_fail)  # trips it
+    assert breaker.current_state == "open" and breaker.open_until(clock.now()) == clock.now() + timedelta(hours=1)
+    clock.advance(3599)
+    with pytest.raises(Refused):
+        breaker.call(lambda: 42)
+    clock.advance(1)
+    assert breaker.call(lambda: 42) == 42  # the trial call, let through by pybreaker itself
+    assert breaker.current_state == "closed"
 
 
 async def _flow_run(flow_run_id: str) -> tuple[str, list[str], list[dict]]:  # type: ignore[type-arg]

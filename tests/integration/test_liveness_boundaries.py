@@ -12,7 +12,6 @@ import sqlalchemy as sa
 
 from delivery import liveness
 from delivery.store import catalog, chains
-from delivery.store.tables import chains_table
 from tests.integration.world import RULE, World
 from tests.target_server import TargetServer
 
@@ -29,7 +28,7 @@ def _chain(world: World, started_at: datetime, heartbeat_at: datetime) -> str:
     with world.engine.begin() as conn:
         rule_id = catalog.get_rule(conn, RULE).id
         token = chains.start_chain(conn, rule_id, None, started_at)
-        conn.execute(chains_table.update().where(chains_table.c.token == token).values(heartbeat_at=heartbeat_at))
+        chains.heartbeat(conn, token, heartbeat_at)  # the store stamps the moment it is given
     return token
 
 

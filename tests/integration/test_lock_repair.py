@@ -23,7 +23,7 @@ import sqlalchemy as sa
 import flows.lock
 from delivery import liveness
 from delivery.chain import Chain
-from delivery.clock import utcnow
+from delivery.clock import FakeClock, utcnow
 from delivery.liveness import LEASE_SECONDS, UNACCOUNTED_ON_A_SERVER_SECONDS, UNACCOUNTED_SECONDS
 from delivery.store import chains, tables
 from flows.lock import acquire_lease, release_lease, rule_lock
@@ -131,27 +131,24 @@ def test_a_slot_with_nobody_on_record_is_not_reset_while_its_lease_may_be_alive(
         assert _active_slots(name) == 1
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _repair(world: World, name: str, *, repossessor: bool) -> tuple[flows.lock.LockRepair, FakeClock]:
     clock = FakeClock()
-    return flows.lock.LockRepair(Chain(world.engine, RULE), name, repossessor=repossessor, clock=clock), clock
+    return flows.lock.LockRepair(Chain(world.engine, RULE, clock=clock), name, repossessor=repossessor), clock
+
+
+def _to(clock: FakeClock, seconds: float) -> None:
+    """Move `clock` on to `seconds` after the repair began."""
+    clock.advance(seconds - clock.monotonic())
 
 
 def test_without_a_repossessor_an_unaccounted_slot_is_freed_once_any_lease_has_expired(world: World, name: str) -> None:
     _take(name)  # and never released: its holder was killed before it recorded itself
     repair, clock = _repair(world, name, repossessor=False)
     for seconds in (0, 1, LEASE_SECONDS / 2, LEASE_SECONDS, UNACCOUNTED_SECONDS - 1):
-        clock.now = 1000.0 + seconds
+        _to(clock, seconds)
         asyncio.run(repair.after_wait())
         assert _active_slots(name) == 1, f"reset {seconds} s after it was first seen unaccounted"
-    clock.now = 1000.0 + UNACCOUNTED_SECONDS + 1
+    _to(clock, UNACCOUNTED_SECONDS + 1)
     asyncio.run(repair.after_wait())
     assert _active_slots(name) == 0
 
@@ -160,12 +157,12 @@ def test_a_holder_on_record_again_restarts_the_unaccounted_time(world: World, na
     others.append(_take(name))
     repair, clock = _repair(world, name, repossessor=False)
     asyncio.run(repair.after_wait())
-    holder = Chain(world.engine, RULE)
-    liveness.record_lock(world.engine, holder.token, others[0])  # a live holder (this process)
-    clock.now += UNACCOUNTED_SECONDS / 2
+    holder = Chain(world.engine, RULE, clock=clock)
+    liveness.record_lock(world.engine, holder.token, others[0], clock.now())  # a live holder (this process)
+    clock.advance(UNACCOUNTED_SECONDS / 2)
     asyncio.run(repair.after_wait())
-    liveness.record_lock(world.engine, holder.token, None)
-    clock.now += UNACCOUNTED_SECONDS / 2 + 1
+    liveness.record_lock(world.engine, holder.token, None, clock.now())
+    clock.advance(UNACCOUNTED_SECONDS / 2 + 1)
     asyncio.run(repair.after_wait())
     assert _active_slots(name) == 1  # unaccounted for only since the holder left the record
 
@@ -178,10 +175,10 @@ def test_with_a_repossessor_an_unaccounted_slot_is_left_to_the_repossessor_then_
     _take(name)
     repair, clock = _repair(world, name, repossessor=True)
     for seconds in (0, UNACCOUNTED_SECONDS + 1, UNACCOUNTED_ON_A_SERVER_SECONDS - 1):
-        clock.now = 1000.0 + seconds
+        _to(clock, seconds)
         asyncio.run(repair.after_wait())
         assert _active_slots(name) == 1, f"reset {seconds} s after it was first seen unaccounted"
-    clock.now = 1000.0 + UNACCOUNTED_ON_A_SERVER_SECONDS + 1
+    _to(clock, UNACCOUNTED_ON_A_SERVER_SECONDS + 1)
     asyncio.run(repair.after_wait())
     assert _active_slots(name) == 0
 

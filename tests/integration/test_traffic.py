@@ -14,7 +14,7 @@ import yaml
 
 from delivery.apply import apply_config
 from delivery.chain import Chain
-from delivery.clock import utcnow
+from delivery.clock import SYSTEM, FakeClock, utcnow
 from delivery.config import parse_config
 from delivery.domain import ChainEnd
 from delivery.store.tables import breaker_states_table, target_traffic_table
@@ -55,16 +55,15 @@ def test_a_short_pause_is_waited_out_and_the_same_request_sent_again(world: Worl
     world.load("a", "b")
     world.target.program(world.key("a"), Answer.status(code, headers={"Retry-After": "1"}))
     heard = Heard()
-    report = drive(world.engine, RULE, traffic_listeners=[heard])
+    clock = FakeClock()
+    began = clock.now()
+    report = drive(world.engine, RULE, traffic_listeners=[heard], clock=clock)
     assert report.ended_by is ChainEnd.CAUGHT_UP and report.counts["delivered"] == 2
     row = world.full_ledger_row("a")
     assert row["status"] == "delivered" and row["attempts"] == 0
-    sent = world.target.requests_for(world.key("a"))
-    assert len(sent) == 2 and sent[1].time - sent[0].time >= 0.9
-    # "b" waited for the pause too: nothing reached the target while it lasted.
-    b = world.target.requests_for(world.key("b"))
-    assert len(b) == 1 and b[0].time >= sent[0].time + 0.9
-    assert report.waited_seconds >= 0.9
+    # The pause was waited out on the chain's clock, by "a" and by "b" after it: a, a again, then b.
+    assert [r.key for r in world.target.requests] == [world.key("a"), world.key("a"), world.key("b")]
+    assert report.waited_seconds == pytest.approx(1.0) and clock.now() - began == timedelta(seconds=1)
     assert heard.told == [("paused", f"HTTP {code}, Retry-After 1 s"), ("resumed", "crm")]
     assert breaker_failures(world) == 0
     assert traffic_row(world).paused_until is None
@@ -75,12 +74,13 @@ def test_a_pause_beyond_the_job_parks_nothing_and_ends_the_chain_rate_limited(wo
     world.load("a", "b", "c")
     world.target.program(world.key("a"), Answer.status(429, headers={"Retry-After": "3000"}))
     heard = Heard()
-    report = drive(world.engine, RULE, traffic_listeners=[heard])
+    clock = FakeClock()
+    report = drive(world.engine, RULE, traffic_listeners=[heard], clock=clock)
     assert report.ended_by is ChainEnd.RATE_LIMITED
     assert "paused until" in report.message and "'crm'" in report.message
     row = world.full_ledger_row("a")
     assert row["status"] == "failed" and row["attempts"] == 0
-    assert row["next_attempt_at"] >= utcnow() + timedelta(seconds=2900)
+    assert row["next_attempt_at"] == clock.now() + timedelta(seconds=3000)
     # Nothing after it was sent or settled: b and c wait for the next chain.
     assert world.target.count(world.key("b")) == world.target.count(world.key("c")) == 0
     assert set(world.ledger()) == {"a"}
@@ -94,14 +94,12 @@ def test_a_pause_beyond_the_job_parks_nothing_and_ends_the_chain_rate_limited(wo
         apply_config(conn, parse_config(yaml.safe_dump(config)))
     world.load("l1", domain="lead")
     before = len(world.target.requests)
-    other = drive(world.engine, "leads-to-crm")
+    other = drive(world.engine, "leads-to-crm", clock=clock)
     assert other.ended_by is ChainEnd.RATE_LIMITED and len(world.target.requests) == before
 
-    # The pause over, the record that met it goes first, and then the rest.
-    with world.engine.begin() as conn:
-        conn.execute(target_traffic_table.update().values(paused_until=utcnow() - timedelta(seconds=1)))
-    world.make_due()
-    report = drive(world.engine, RULE, traffic_listeners=[heard])
+    # The pause over (and the record that met it due again, then), it goes first, and then the rest.
+    clock.advance(3000)
+    report = drive(world.engine, RULE, traffic_listeners=[heard], clock=clock)
     assert report.ended_by is ChainEnd.CAUGHT_UP
     assert report.drained["delivered"] == 1 and report.scanned["delivered"] == 2
     assert heard.told[-1] == ("resumed", "crm")
@@ -111,11 +109,13 @@ def test_a_pause_beyond_the_job_parks_nothing_and_ends_the_chain_rate_limited(wo
 def test_a_target_pausing_every_try_gets_a_few_tries_a_second_apart_then_the_record_waits(world: World) -> None:
     world.load("a")
     world.target.program(world.key("a"), *[Answer.status(429, headers={"Retry-After": "0"})] * 10)
-    report = drive(world.engine, RULE)
+    clock = FakeClock()
+    began = clock.now()
+    report = drive(world.engine, RULE, clock=clock)
     sent = world.target.requests_for(world.key("a"))
-    # The first try and three more, each after a pause of at least a second (Retry-After: 0 counts as 1).
+    # The first try and three more, each after a pause of a second (Retry-After: 0 counts as 1).
     assert len(sent) == 4
-    assert all(b.time - a.time >= 0.9 for a, b in itertools.pairwise(sent))
+    assert report.waited_seconds == pytest.approx(3.0) and clock.now() - began == timedelta(seconds=3)
     row = world.full_ledger_row("a")
     assert row["status"] == "failed" and row["attempts"] == 0
     assert report.counts["failed"] == 1
@@ -183,7 +183,7 @@ def test_a_sender_that_wakes_too_late_for_its_slot_takes_a_new_one(
     world.apply(target={"rate_limit": {"per_second": per_second}})
     slot = utcnow()
     traffic = TargetTraffic(
-        world.engine, Chain(world.engine, RULE).rule.target, clock=lambda: slot + timedelta(milliseconds=late_ms)
+        world.engine, Chain(world.engine, RULE).rule.target, clock=FakeClock(slot + timedelta(milliseconds=late_ms))
     )
     assert traffic._too_late(slot) is not sent
 
@@ -201,8 +201,8 @@ def test_a_slot_handed_out_before_a_pause_does_not_cross_it(world: World, asynch
 
     world.apply(target={"rate_limit": {"per_second": 10}})
     target = Chain(world.engine, RULE).rule.target
-    a = TargetTraffic(world.engine, target, clock=utcnow)
-    b = TargetTraffic(world.engine, target, clock=utcnow)
+    a = TargetTraffic(world.engine, target, clock=SYSTEM)
+    b = TargetTraffic(world.engine, target, clock=SYSTEM)
     bounds = JobBounds(deadline=utcnow() + timedelta(seconds=30))
     assert a.admit(bounds)  # A's slot: now; B's will be the next, about 0.1 s later
     slot_at: list[datetime] = []
@@ -260,3 +260,51 @@ def test_whatever_leaves_the_admission_takes_the_intent_back(
     assert "OverflowError: date value out of range" in str(caught.value)
     assert world.ledger() == {}  # no intent left behind, no attempt spent
     assert world.target.requests == []
+
+
+def test_a_wait_for_a_pause_on_a_fake_clock_passes_no_real_time(world: World) -> None:
+    """`TargetTraffic.admit` waits for a ten-minute pause on the chain's clock: the wait advances
+    the fake clock, the pause is ended and told of as over, and the sender is let through."""
+    import time
+
+    from delivery.store import traffic as store
+    from delivery.traffic import JobBounds
+
+    clock = FakeClock()
+    target = Chain(world.engine, RULE, clock=clock).rule.target
+    until = clock.now() + timedelta(minutes=10)
+    store.ensure_row(world.engine, target.id)
+    with world.engine.begin() as conn:
+        store.pause(conn, target.id, until, "HTTP 429, Retry-After 600 s", clock.now())
+    heard = Heard()
+    traffic = TargetTraffic(world.engine, target, clock, [heard])
+    started = time.monotonic()
+    assert traffic.admit(JobBounds(clock.now() + timedelta(hours=1))) is True
+    assert time.monotonic() - started < 60  # not the ten minutes: only database round trips
+    assert clock.now() == until and traffic.waited_seconds == 600
+    assert heard.told == [("resumed", "crm")] and traffic_row(world).paused_until is None
+
+
+@pytest.mark.parametrize("per_second", [0.5, 2, 7.5])
+def test_a_rate_budget_on_a_fake_clock_never_lets_more_than_the_budget_into_a_second(
+    world: World, per_second: float
+) -> None:
+    """The budget through the store (`take_slot` around `budget.next_slot`), each sender waiting for
+    its slot on the chain's clock: the moments the senders are let out, none crowded."""
+    import math
+
+    from delivery.traffic import JobBounds
+
+    world.apply(target={"rate_limit": {"per_second": per_second}}, rule={"concurrency": 1})
+    clock = FakeClock()
+    target = Chain(world.engine, RULE, clock=clock).rule.target
+    senders = [TargetTraffic(world.engine, target, clock) for _ in range(3)]
+    bounds = JobBounds(clock.now() + timedelta(hours=1))
+    let_out: list[datetime] = []
+    for sender in itertools.islice(itertools.cycle(senders), 12):
+        assert sender.admit(bounds)
+        let_out.append(clock.now())
+    budget = math.ceil(per_second)
+    for first, beyond in zip(let_out, let_out[budget:], strict=False):
+        assert beyond - first >= timedelta(seconds=1), (first, beyond)
+    assert let_out[-1] - let_out[0] < timedelta(seconds=12 * 1.1 / per_second)  # and not held back for nothing

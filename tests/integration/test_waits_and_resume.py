@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
-from delivery.clock import utcnow
+from delivery.clock import SYSTEM, utcnow
 from delivery.errors import InputError, UnknownName
 from delivery.store import catalog
 from delivery.store import traffic as traffic_store
@@ -51,7 +51,7 @@ def test_a_wait_for_a_pause_is_told_as_it_begins_once(engine: sa.Engine, target:
     with engine.connect() as conn:
         crm = catalog.get_rule(conn, "contacts-to-crm").target
     waits = Waits()
-    traffic = TargetTraffic(engine, crm, utcnow, [waits])
+    traffic = TargetTraffic(engine, crm, SYSTEM, [waits])
     until = pause(engine, 600)
     stop = threading.Event()
     stop.set()  # the job is stopping: the wait ends at once, after it was told
@@ -66,7 +66,7 @@ def test_a_short_wait_is_not_told(engine: sa.Engine, target: TargetServer) -> No
     with engine.connect() as conn:
         crm = catalog.get_rule(conn, "contacts-to-crm").target
     waits = Waits()
-    traffic = TargetTraffic(engine, crm, utcnow, [waits])
+    traffic = TargetTraffic(engine, crm, SYSTEM, [waits])
     pause(engine, 0.5)
     stop = threading.Event()
     stop.set()

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 import yaml
 
 from delivery.apply import apply_config
-from delivery.clock import utcnow
+from delivery.clock import SYSTEM, Clock
 from delivery.config import parse_config
 from delivery.domain import Cursor, MirrorInput
 from delivery.store import catalog, ledger
@@ -33,12 +33,17 @@ def email(external_id: str) -> str:
 
 class World:
     """`through_prefect`: whether `run` runs the `deliver-rule` flow (on the session's Prefect API) or
-    drives the chain in this process without Prefect, for tests of the engine's behaviour alone."""
+    drives the chain in this process without Prefect, for tests of the engine's behaviour alone.
+    `clock`: the chains' clock when driven in this process (a `FakeClock` moves time by hand; the
+    flow makes its own, the system's)."""
 
-    def __init__(self, engine: sa.Engine, target: TargetServer, *, through_prefect: bool = True) -> None:
+    def __init__(
+        self, engine: sa.Engine, target: TargetServer, *, through_prefect: bool = True, clock: Clock = SYSTEM
+    ) -> None:
         self.engine = engine
         self.target = target
         self.through_prefect = through_prefect
+        self.clock = clock
 
     def config(self, *, target: dict[str, Any] | None = None, rule: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
@@ -76,15 +81,18 @@ class World:
             apply_config(conn, parse_config(yaml.safe_dump(self.config(**overrides))))
         return self
 
-    def load(self, *ids: str, deleted: bool = False, domain: str = "contact", **fields: Any) -> None:
-        """Upsert records whose payload is {email, name, **fields}; the email is the target's record key."""
+    def load(
+        self, *ids: str, deleted: bool = False, domain: str = "contact", at: datetime | None = None, **fields: Any
+    ) -> None:
+        """Upsert records whose payload is {email, name, **fields}; the email is the target's record key.
+        `at`: when they changed (by default, now on the world's clock)."""
         items = [MirrorInput(i, {"email": email(i), "name": f"Name {i}", **fields}, deleted) for i in ids]
         with self.engine.begin() as conn:
-            load_records(conn, "shop", domain, items)
+            load_records(conn, "shop", domain, items, at or self.clock.now())
 
     def run(self, rule: str = RULE) -> dict[str, Any]:
         """One chain of `rule`, summarised as `delivery run --json` prints it."""
-        return run_now(rule) if self.through_prefect else chains.run(self.engine, rule)
+        return run_now(rule) if self.through_prefect else chains.run(self.engine, rule, clock=self.clock)
 
     def ledger(self, rule: str = RULE) -> dict[str, dict[str, Any]]:
         with self.engine.connect() as conn:
@@ -105,7 +113,7 @@ class World:
             conn.execute(
                 ledger_table.update()
                 .where(ledger_table.c.status == "failed")
-                .values(next_attempt_at=utcnow() - timedelta(seconds=1))
+                .values(next_attempt_at=self.clock.now() - timedelta(seconds=1))
             )
 
     def cursor(self, rule: str = RULE) -> Cursor | None:

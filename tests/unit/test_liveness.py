@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from delivery import liveness
 from delivery.liveness import Holder
+from delivery.store.chains import ChainRow
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 TICK = timedelta(microseconds=1)
@@ -21,6 +22,15 @@ HERE = "worker-1"
 
 def never_asked(pid: int) -> bool:
     raise AssertionError(f"a holder on another host had its pid {pid} looked up here")
+
+
+def _open_chain(started_at: datetime, heartbeat_at: datetime, *, running: bool = True) -> ChainRow:
+    return ChainRow(
+        token=f"t-{started_at.timestamp()}-{heartbeat_at.timestamp()}", rule_id=1, flow_run_id=None,
+        started_at=started_at, heartbeat_at=heartbeat_at, ended_at=None, ended_by=None, message=None,
+        report=None, lease_id=None, holder_host=None, holder_pid=None,
+        running_at=started_at if running else None,
+    )  # fmt: skip
 
 
 # -- the one rule -------------------------------------------------------------------------------
@@ -119,3 +129,47 @@ def test_the_lease_and_heartbeat_lengths_keep_their_values() -> None:
     assert liveness.HEARTBEAT_SECONDS == 1.0
     assert liveness.STALE_HOLDER_SECONDS == 120.0
     assert liveness.HANDOVER_MARGIN_SECONDS == 10.0
+
+
+# -- the tick's judgement of open chains (`judge`: rows, now, threshold) -------------------------
+
+
+@pytest.mark.parametrize("threshold", [timedelta(minutes=15), timedelta(seconds=30), timedelta(days=7)])
+def test_a_running_chain_is_alive_at_its_threshold_and_dead_a_microsecond_past_it(threshold: timedelta) -> None:
+    beat = NOW - timedelta(hours=1)
+    row = _open_chain(NOW - timedelta(days=8), beat)
+    (alive,) = liveness.judge([row], beat + threshold, threshold)
+    (dead,) = liveness.judge([row], beat + threshold + TICK, threshold)
+    assert alive.alive and alive.silent_for == threshold and not alive.never_started
+    assert not dead.alive and dead.silent_for == threshold + TICK and not dead.never_started
+
+
+def test_a_launch_no_worker_started_is_dead_past_the_never_started_bound_whatever_its_heartbeat() -> None:
+    bound = timedelta(seconds=liveness.NEVER_STARTED_SECONDS)
+    launched = _open_chain(NOW, NOW, running=False)
+    (waiting,) = liveness.judge([launched], NOW + bound, timedelta(days=1))
+    (given_up,) = liveness.judge([launched], NOW + bound + TICK, timedelta(days=1))
+    assert waiting.alive and not waiting.never_started
+    assert not given_up.alive and given_up.never_started
+    started = _open_chain(NOW, NOW)  # its run began: judged by its heartbeat alone
+    (running,) = liveness.judge([started], NOW + bound + TICK, timedelta(days=1))
+    assert running.alive and not running.never_started
+
+
+@given(
+    st.lists(st.tuples(st.timedeltas(timedelta(0), timedelta(days=2)), st.booleans()), max_size=6),
+    st.timedeltas(timedelta(0), timedelta(days=1)),
+)
+def test_the_judgement_is_the_one_rule_for_every_row_in_order(
+    ages: list[tuple[timedelta, bool]], threshold: timedelta
+) -> None:
+    rows = [
+        _open_chain(NOW - age - timedelta(seconds=i), NOW - age, running=running)
+        for i, (age, running) in enumerate(ages)
+    ]
+    lives = liveness.judge(rows, NOW, threshold)
+    assert [life.token for life in lives] == [row.token for row in rows]
+    for row, life in zip(rows, lives, strict=True):
+        never = row.running_at is None and NOW - row.started_at > timedelta(seconds=liveness.NEVER_STARTED_SECONDS)
+        assert life.never_started is never
+        assert life.alive is (liveness.fresh(row.heartbeat_at, NOW, threshold) and not never)
