@@ -19,6 +19,9 @@ not proposals to ship as they are (see docs/performance.md for which keep the se
   memory-breaker        pybreaker's in-process storage (an upper bound: the breaker costs nothing;
                         it would no longer be shared between processes)
   no-pre-ping           PostgreSQL pool without pool_pre_ping
+  no-history            no record history (`delivery attempts`): the writer keeps no request and the
+                        settle writes no `delivery_attempts` row; baseline against it is the
+                        history's cost, measured in one run (list both, several times, to alternate)
   no-record-db          ceiling, not a design: memory-breaker, and no fence check, ledger write or
                         heartbeat per record (no database work per record at all)
 """
@@ -54,8 +57,10 @@ from bench.world import StatementCounter, apply, records, rule_entry, target_con
 from delivery import db
 from delivery.chain import Chain
 from delivery.domain import MirrorInput, Phase
+from delivery.store import attempts as attempts_store
 from delivery.store import breaker, chains, ledger
 from delivery.store.mirror import load_records
+from delivery.writers import rest as rest_module
 
 PROFILE_DATABASE = "delivery_bench_profile"
 VARIANTS = (
@@ -63,6 +68,7 @@ VARIANTS = (
     "memory-breaker",
     "no-pre-ping",
     "no-record-db",
+    "no-history",
 )
 
 # -------------------------------------------------------------------------------- the buckets
@@ -164,6 +170,15 @@ def variant(name: str) -> Iterator[dict[str, Any]]:
         undo.append(lambda: setattr(breaker_module, "DatabaseBreakerStorage", breaker.DatabaseBreakerStorage))
     if "no-pre-ping" in parts:
         options["pre_ping"] = False
+    if "no-history" in parts:
+        kept = (rest_module._RestWriter._tell, attempts_store.write)
+        setattr(rest_module._RestWriter, "_tell", lambda *_: None)  # noqa: B010
+        setattr(attempts_store, "write", lambda *_: None)  # noqa: B010
+
+        def keep_history() -> None:
+            rest_module._RestWriter._tell, attempts_store.write = kept  # type: ignore[method-assign]
+
+        undo.append(keep_history)
     if "no-settle" in parts:
         saved = (chains.holds_fence_for_settle, ledger.settle, chains.heartbeat)
 
