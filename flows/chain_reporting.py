@@ -35,7 +35,7 @@ from delivery.db import shared_engine
 from delivery.domain import BatchReport, ChainEnd, ChainReport, Cursor, LedgerStatus, Phase
 from delivery.errors import UnknownName
 from delivery.rule_health import TELLING, transition
-from delivery.status import RUN_STATE_NAMES
+from delivery.status import RUN_STATE_NAMES, plain_duration
 from delivery.store import chains, ledger
 from flows import metrics
 from flows.parked_artifact import has_parked_set, publish_parked_set
@@ -241,8 +241,8 @@ class ChainReporter:
             )
         if report.waited_seconds >= 0.05:
             self.run_logger.info(
-                "rule %s: %s batch %d waited %.1f s for target %s's traffic (its rate budget or a pause)",
-                rule.name, phase.value, number, report.waited_seconds, rule.target.name,
+                "rule %s: %s batch %d waited %s for target %s's traffic (its rate budget or a pause)",
+                rule.name, phase.value, number, plain_duration(report.waited_seconds), rule.target.name,
             )  # fmt: skip
         for left in report.left_behind:
             why = " ".join((left.error or "no error recorded").split())[:300]
@@ -290,7 +290,11 @@ class ChainReporter:
             f"**{report.rule}** ended **{RUN_STATE_NAMES[report.ended_by]}**: {report.message or 'caught up'}\n\n"
             f"cursor before: {_cursor_words(report.cursor_before)}  \n"
             f"cursor after: {_cursor_words(report.cursor_after)}  \njobs: {report.batches}"
-            + (f"  \nwaited for the target's traffic: {report.waited_seconds:.1f} s" if report.waited_seconds else "")
+            + (
+                f"  \nwaited for the target's traffic: {plain_duration(report.waited_seconds)}"
+                if report.waited_seconds
+                else ""
+            )
         )
         await acreate_table_artifact(table=rows, key=_artifact_key(report.rule), description=description)
 
@@ -387,7 +391,13 @@ class ChainReporter:
                 "prefect.resource.name": chain.rule.name,
                 "delivery.target": chain.rule.target.name,
             },
-            payload={"ended_by": report.ended_by.value, "message": report.message, "previous": previous},
+            payload={
+                "ended_by": report.ended_by.value,
+                # As the run's state is named (`CaughtUp`), for the notification's words.
+                "ending": RUN_STATE_NAMES[report.ended_by],
+                "message": report.message,
+                "previous": previous,
+            },
         )
 
 

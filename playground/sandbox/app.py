@@ -127,6 +127,10 @@ class SandboxApp:
         """The fault settings in force now (they change with `PUT /api/_faults`)."""
         return self._faults.settings
 
+    def faults_in_words(self) -> str:
+        """The same, as the sandbox's log says them."""
+        return self._faults.in_words()
+
     def release_waits(self) -> None:
         """Cut short every latency sleep and hang in progress; called when the server stops so a
         hanging request cannot hold shutdown for `hang_seconds`."""

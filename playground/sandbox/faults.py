@@ -50,10 +50,13 @@ class FaultInjector:
     def settings(self) -> dict[str, Any]:
         return asdict(self._settings)
 
+    def in_words(self) -> str:
+        return self._settings.in_words()
+
     def change(self, patch: object) -> dict[str, Any]:
         """Apply a `PUT /api/_faults` body; ValueError or TypeError names what is wrong with it."""
         self._settings = self._settings.changed(patch)
-        logger.info("sandbox faults now %s", self.settings)
+        logger.info("sandbox faults now: %s", self._settings.in_words())
         return self.settings
 
     def verdict(self, write: bool) -> Verdict:

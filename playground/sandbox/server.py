@@ -183,10 +183,10 @@ def serve(settings: SandboxSettings) -> None:
     server = _UvicornServer(config, app)
     port = int(sock.getsockname()[1])
     logging.getLogger("uvicorn.error").info(
-        "Sandbox target on %s (token %s, faults %s, records %s). Press Ctrl-C to stop.",
+        "Sandbox target on %s (token %s, %s, records %s). Press Ctrl-C to stop.",
         _url(settings.host, port),
         "required" if settings.token else "not required",
-        app.faults,
+        app.faults_in_words(),
         settings.db_path or "in memory",
     )
     try:

@@ -86,6 +86,18 @@ class FaultSettings:
         if self.hang_seconds < 0:
             raise ValueError(f"hang_seconds must be >= 0, got {self.hang_seconds}")
 
+    def in_words(self) -> str:
+        """What a person reads in the sandbox's log: `no faults`, or `20% of requests fail, 50 ms
+        latency, 5% time out (hang 30 s)`."""
+        said = []
+        if self.fail_rate:
+            said.append(f"{self.fail_rate:.0%} of requests fail")
+        if self.latency_ms:
+            said.append(f"{self.latency_ms} ms latency")
+        if self.timeout_share:
+            said.append(f"{self.timeout_share:.0%} time out (hang {self.hang_seconds:g} s)")
+        return ", ".join(said) or "no faults"
+
     def changed(self, patch: object) -> FaultSettings:
         """A copy with the keys of a `PUT /api/_faults` body applied; unknown keys are refused so a
         typo (`failrate`) does not silently leave the outage off."""

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
+import jinja2.sandbox
 import pytest
 import sqlalchemy as sa
 import yaml
@@ -198,12 +199,18 @@ def emitted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     def record(*, event: str, resource: dict[str, str], payload: dict[str, Any] | None = None, **_: Any) -> None:
         assert resource["prefect.resource.id"] == "delivery.rule.contacts-to-crm"
         events.append(event)
+        PAYLOADS.append(payload or {})
 
     monkeypatch.setattr(flows.chain_reporting, "emit_event", record)
     return events
 
 
+#: What the rule events carried, in the order emitted (cleared by each test that reads it).
+PAYLOADS: list[dict[str, Any]] = []
+
+
 def test_a_failing_rule_alerts_once_and_once_more_when_it_recovers(world: World, emitted: list[str]) -> None:
+    PAYLOADS.clear()
     world.load("a")
     world.set_driver("soap")  # no writer registered: a rule fault on every chain
     assert world.run()["state"] == "FAILED"
@@ -213,6 +220,11 @@ def test_a_failing_rule_alerts_once_and_once_more_when_it_recovers(world: World,
     result = world.run()
     assert result["ended_by"] == "caught_up" and result["counts"]["delivered"] == 1
     assert emitted == [FAILING, RECOVERED]
+    # The notification says it in the run's words, not the chain's snake_case ending.
+    (action,) = next(a for path, a in automations(uuid4(), True) if path.name == "rule-recovered.yaml").actions
+    event = {"resource": {"name": "contacts-to-crm"}, "payload": PAYLOADS[-1]}
+    body = jinja2.sandbox.SandboxedEnvironment().from_string(action.body).render(event=event)  # type: ignore[union-attr]
+    assert body == "Delivery rule contacts-to-crm recovered: its last chain ended CaughtUp (caught up: 1 delivered)."
 
 
 def _superseded_chain(world: World) -> None:
