@@ -56,6 +56,7 @@ SLOWEST_FIRST = (
     "test_kill_settles",
     "test_exclusivity",
     "test_warm_worker",
+    "test_tick_alerts_scheduled",
     "test_cli",
     "test_unknown_outcomes_cli",
     "test_cli_run_idle",

@@ -29,9 +29,10 @@ def test_every_completed_tick_restarts_the_window() -> None:
     trigger = automation.trigger
     assert trigger.posture == "Proactive"
     # `after` equal to `expect`: a completed tick starts a window, and the next one restarts it.
-    assert trigger.after == trigger.expect == {"prefect.flow-run.*"}
-    assert trigger.match.root == {"prefect.resource.id": "prefect.flow-run.*", "prefect.state-type": "COMPLETED"}
-    assert trigger.match_related.root == {"prefect.resource.role": "flow", "prefect.resource.name": "delivery-tick"}
+    # The tick's own event, not Prefect's state events (held back up to 15 minutes for a run its
+    # scheduler made: flows/tick_events.py).
+    assert trigger.after == trigger.expect == {"delivery.tick.completed"}
+    assert trigger.match.root == {"prefect.resource.id": "delivery.tick.*"}
     assert not trigger.for_each  # one window for the deployment, opened by Prefect at install
     assert (trigger.threshold, trigger.within) == (1, timedelta(minutes=15))
 
@@ -103,3 +104,37 @@ def test_the_body_names_the_last_tick_that_completed_when_there_was_one() -> Non
     )
     _, body = _render(timedelta(minutes=15), event)
     assert "no new chains are started.\nThe last one that did was wine-rat, at 2026-12-05 12:08:21 UTC.\nCheck" in body
+
+
+def _tick_failed_texts(resource: dict[str, str]) -> tuple[str, str]:
+    from prefect.events.schemas.events import Resource
+    from prefect.server.utilities.user_templates import render_user_template_sync
+
+    (action,) = next(a for path, a in automations(uuid4(), True) if path.name == "tick-failed.yaml").actions
+    context = {"event": SimpleNamespace(resource=Resource(resource))}
+    return render_user_template_sync(action.subject, context), render_user_template_sync(action.body, context)
+
+
+def test_the_tick_failed_alert_says_the_ticks_own_event_and_prefects_crashed_one_alike() -> None:
+    """`delivery.tick.failed` (the tick says it, at once) and Prefect's `Crashed` state event (a tick
+    whose process died) carry the state's name and message under different labels."""
+    ours = _tick_failed_texts(
+        {
+            "prefect.resource.id": "delivery.tick.0193",
+            "prefect.resource.name": "tick 07:05",
+            "delivery.state-name": "Failed",
+            "delivery.state-message": "dead_after_minutes: -1 is not a number of minutes",
+        }
+    )
+    crashed = _tick_failed_texts(
+        {
+            "prefect.resource.id": "prefect.flow-run.0193",
+            "prefect.resource.name": "tick 07:05",
+            "prefect.state-name": "Crashed",
+            "prefect.state-message": "Flow run process exited with code -9",
+        }
+    )
+    assert ours[0] == "[delivery] delivery-tick Failed: tick 07:05"
+    assert ours[1].startswith("The delivery-tick run tick 07:05 ended Failed: dead_after_minutes: -1 is not")
+    assert crashed[0] == "[delivery] delivery-tick Crashed: tick 07:05"
+    assert crashed[1].startswith("The delivery-tick run tick 07:05 ended Crashed: Flow run process exited")
