@@ -30,13 +30,13 @@ from prefect.client.schemas import State
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
+from delivery import reports
 from delivery.chain import Chain
 from delivery.db import shared_engine
 from delivery.domain import BatchReport, ChainEnd, ChainReport, Cursor, LedgerStatus, Phase
 from delivery.errors import UnknownName
 from delivery.rule_health import TELLING, transition
 from delivery.status import RUN_STATE_NAMES, plain_duration
-from delivery.store import chains, ledger
 from flows import metrics
 from flows.parked_artifact import has_parked_set, publish_parked_set
 from flows.status_artifact import publish_status
@@ -306,13 +306,13 @@ class ChainReporter:
         chain = self.chain
         rule = chain.rule
         with chain.engine.connect().execution_options(readonly=True) as conn:
-            rows, counts = ledger.left_behind_since(conn, rule.id, chain.started_at, RECORDS_LISTED)
+            rows, counts = reports.left_behind_since(conn, rule.id, chain.started_at, RECORDS_LISTED)
         total = sum(counts.values())
         since = chain.started_at.isoformat()
         if total == 0:
             markdown = f"**{rule.name}**: this chain (started {since}) parked no record and left none failed."
         else:
-            statuses = [s.value for s in ledger.LEFT_BEHIND if counts.get(s.value)]
+            statuses = [s.value for s in reports.LEFT_BEHIND if counts.get(s.value)]
             said = ", ".join(f"{counts[s]} {s}" for s in statuses)
             lines = [
                 f"**{rule.name}**: this chain (started {since}) parked or left failed **{total}** record(s): {said}.",
@@ -380,7 +380,7 @@ class ChainReporter:
         if report.ended_by not in TELLING:
             return
         with chain.engine.connect().execution_options(readonly=True) as conn:
-            previous = chains.previous_end(conn, chain.rule.id, chain.token, [end.value for end in TELLING])
+            previous = reports.previous_end(conn, chain.rule.id, chain.token, [end.value for end in TELLING])
         change = transition(previous, report.ended_by)
         if change is None:
             return
@@ -415,8 +415,8 @@ def summary(rule: str, state: State[Any]) -> dict[str, Any]:
     report as recorded, every count 0 when it has none (a run that ended before its chain began)."""
     flow_run_id = str(state.state_details.flow_run_id)
     with shared_engine().connect().execution_options(readonly=True) as conn:
-        chain = chains.chain_by_flow_run(conn, flow_run_id)
-    report: dict[str, Any] = dict((chain.report if chain else None) or {})
+        recorded = reports.chain_report(conn, flow_run_id)
+    report: dict[str, Any] = dict(recorded or {})
     empty = {s.value: 0 for s in LedgerStatus}
     return {
         "rule": rule,

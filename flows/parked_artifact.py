@@ -16,7 +16,7 @@ says so already, or none. It shows:
   and last error (redacted when it was written to the ledger).
 
 A rule with nothing parked and no failed row says so in one sentence. Every read is an index seek
-(`delivery.store.ledger.parked_counts`, `parked_latest`, `parked_errors`).
+(`delivery.reports.parked_set`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any
 import sqlalchemy as sa
 from prefect.artifacts import acreate_markdown_artifact, create_markdown_artifact
 
+from delivery import reports
 from delivery.clock import utcnow
 from delivery.domain import LedgerStatus
-from delivery.store import catalog, ledger
 
 #: How many rows the artifact lists (the totals always count them all).
 LISTED = 200
@@ -81,7 +81,7 @@ def error_reason(last_error: str | None) -> str:
         return "no error recorded"
     if text.startswith("requeued by "):
         return "requeued, not sent yet"
-    if text.startswith(ledger.CREATE_IN_FLIGHT.split(" (")[0]):
+    if text.startswith(reports.CREATE_IN_FLIGHT.split(" (")[0]):
         return "create sent, outcome not recorded yet"
     line = _REQUEST.sub("", _GAVE_UP.sub("", text.splitlines()[0]), count=1)
     reason = " ".join(line.split(": ", 1)[0].split())[:REASON_LENGTH] or "no error recorded"
@@ -160,11 +160,8 @@ def _put_back(rule: str, counts: dict[str, int]) -> list[str]:
 def parked_markdown(engine: sa.Engine, rule_name: str) -> tuple[str, str]:
     """The artifact's markdown and its one-line description, read from the database now."""
     with engine.connect().execution_options(readonly=True) as conn:
-        rule = catalog.get_rule(conn, rule_name)
-        counts = ledger.parked_counts(conn, rule.id)
-        total = sum(counts.values())
-        rows = ledger.parked_latest(conn, rule.id, LISTED) if total else []
-        errors = ledger.parked_errors(conn, rule.id, REASONS_COUNTED) if total else []
+        parked = reports.parked_set(conn, rule_name, LISTED, REASONS_COUNTED)
+    rule, counts, total, rows, errors = parked.rule, parked.counts, parked.total, parked.latest, parked.errors
     now = utcnow().isoformat(timespec="seconds")
     title = headline(rule.name, counts)
     refreshed = f"As of {now}; refreshed at the end of every chain of the rule and after every requeue."
@@ -210,7 +207,7 @@ def parked_markdown(engine: sa.Engine, rule_name: str) -> tuple[str, str]:
 def has_parked_set(engine: sa.Engine, rule_id: int) -> bool:
     """Whether the rule has any row in its parked set (parked or failed), on the index alone."""
     with engine.connect().execution_options(readonly=True) as conn:
-        return any(ledger.parked_counts(conn, rule_id).values())
+        return reports.has_parked_set(conn, rule_id)
 
 
 async def publish_parked_set(engine: sa.Engine, rule_name: str) -> None:

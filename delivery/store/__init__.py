@@ -6,11 +6,13 @@ commits together) is decided where the operation is, not in the SQL. Who opens t
 
 - the engine (`delivery.chain` and its jobs, `delivery.liveness`, the services in `delivery/`):
   one transaction per fence check and settle, per claim, per heartbeat;
-- the flows, only to hand a connection to a service or store function: `flows/tick.py` (the tick's
-  plan read-only, then one transaction per launch it records), `flows/requeue.py` (the rule's
-  target read-only, then the requeue in one transaction), and read-only connections for what the
-  runs publish: `flows/deliver_rule.py` (the chain's report, the records it left behind, the rule's
-  previous end for its health event), `flows/parked_artifact.py`, `flows/status_artifact.py`;
+- the flows, only to hand a connection to a service of `delivery/` (no module of `flows` imports
+  the store: a contract in pyproject.toml): `flows/tick.py` (the tick's plan read-only, then one
+  transaction per launch it records), `flows/requeue.py` (the rule's target read-only, then the
+  requeue in one transaction), and read-only connections for what the runs publish, read through
+  `delivery.reports` and `delivery.status`: `flows/chain_reporting.py` (the chain's report, the
+  records it left behind, the rule's previous end for its health event), `flows/parked_artifact.py`,
+  `flows/status_artifact.py`;
 - the CLI (`flows/cli/`): `apply`, `mirror load`, `requeue` and `connection-status NAME STATUS` each in
   one transaction, the read commands on read-only connections;
 - the demo (`playground/demo.py`).
