@@ -243,10 +243,19 @@ def status_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             **standing(r),
             "records": counts_text(r["counts"]),
             "due retries": r["due_retries"],
-            "message": shortened(last_message(r), TABLE_MESSAGE_CHARS),
+            "message": shortened(_without_what_the_row_says(r), TABLE_MESSAGE_CHARS),
         }
         for r in rows
     ]
+
+
+def _without_what_the_row_says(row: dict[str, Any]) -> str:
+    """The last chain's message less what the row's first columns already say (the fault's name,
+    `rule 'NAME': `), so that the start the table has room for is the part worth reading."""
+    message = last_message(row)
+    if (row["last_chain"] or {}).get("fault"):
+        message = message.partition(": ")[2] or message  # `CLASS: text`; the class is the `last chain` cell
+    return message.removeprefix(f"rule {row['rule']!r}: ")
 
 
 def shortened(text: str, chars: int) -> str:
