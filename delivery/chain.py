@@ -80,6 +80,23 @@ log = logging.getLogger(__name__)
 JOB_DEADLINE_MARGIN_SECONDS = 5.0
 
 
+def cursor_after(
+    candidates: Sequence[Candidate], attempted: Sequence[LedgerStatus | None], since: Cursor | None
+) -> Cursor | None:
+    """Where a scan job moves the cursor, pure: past the page's records attempted (`attempted[i]`
+    not None), and only those. With writes in parallel a breaker can cut a batch with holes, so it
+    stops before the first record not attempted. `since` is where the page was read from: a cursor
+    not past it is no move (None), so the cursor never goes backwards."""
+    highest: Cursor | None = None
+    for candidate, status in zip(candidates, attempted, strict=True):
+        if status is None:
+            break
+        highest = Cursor(candidate.record.changed_at, candidate.record.id)
+    if highest is None or (since is not None and highest <= since):
+        return None
+    return highest
+
+
 class Chain:
     """A chain in progress. `open()` once, then `run_batch()` per job, then `finish()`."""
 
@@ -282,34 +299,28 @@ class Chain:
     # -- one job -------------------------------------------------------------------------------
 
     def run_batch(self, phase: Phase) -> BatchReport:
-        """One job: a page of candidates, read under the lock, then delivered and settled by the job
-        chosen for the target (`_job_type`). An exception leaves the batch (and the chain) at once,
-        and the cursor where it was."""
+        """One job: a page of candidates, read under the lock (`_start_job`), then delivered and
+        settled by the job chosen for the target (`_run_job`), then the cursor moved past what it
+        attempted (`_conclude`). An exception leaves the batch (and the chain) at once, and the
+        cursor where it was."""
         if self._writer is None or self._breaker is None:
             raise RuntimeError("run_batch() before a successful open()")
         report = BatchReport(phase)
+        page = self._start_job(phase, report)
+        if isinstance(page, BatchReport):
+            return page
+        attempted, ended = self._run_job(page, phase, report)
+        return self._conclude(phase, report, page, attempted, ended)
+
+    def _start_job(self, phase: Phase, report: BatchReport) -> list[Candidate] | BatchReport:
+        """The start of a job, in one transaction under the lock: the claim or the fence, the
+        handover to a newer chain, the gate, the cursor, the page. Returns the page, or the batch's
+        report when the chain cannot go on (superseded, handed over, gated)."""
         rule = self.rule
         with self.engine.begin() as conn:
-            if not self._claimed:
-                # The first job claims the rule; the cursor is read only now, under the lock,
-                # since a chain before this one may have moved it since we started.
-                if not chains.claim(conn, rule.id, self.token, self.started_at):
-                    return self._superseded(report, conn)
-                self._claimed = True
-            elif not chains.holds_fence(conn, rule.id, self.token):
-                return self._superseded(report, conn)
-            # A chain holding the lock job after job retakes it the moment it lets go, while a
-            # newer one waits in steps: without a handover a manual run would wait out the
-            # whole older chain. The most recently started chain goes on, as in `claim`.
-            newer = liveness.newer_waiting(conn, rule.id, self.token, self.started_at, self.clock())
-            if newer is not None:
-                report.ended_by = ChainEnd.SUPERSEDED
-                report.message = (
-                    f"chain superseded: a newer chain of rule {rule.name!r} (flow run "
-                    f"{newer.flow_run_id or '-'}) is waiting for the rule and takes over"
-                )
-                self.report.add(report)
-                return report
+            ended = self._hold(conn, report)
+            if ended is not None:
+                return ended
             # The gate again at every job, under the lock: a connection set to error or disabled
             # mid-chain stops the chain at its next job, not at the next tick.
             fresh = catalog.get_rule(conn, rule.name)
@@ -334,6 +345,40 @@ class Chain:
                 candidates = ledger.scan_page(conn, rule, self._scan_from, rule.batch_size)
         if saved is not None:
             self._adopt(saved)
+        return candidates
+
+    def _hold(self, conn: sa.Connection, report: BatchReport) -> BatchReport | None:
+        """Claim the rule (the first job) or check the fence (the next ones), and hand over to a
+        newer chain waiting for the rule. Returns the batch's report when this chain ends here."""
+        rule = self.rule
+        if not self._claimed:
+            # The first job claims the rule; the cursor is read only now, under the lock,
+            # since a chain before this one may have moved it since we started.
+            if not chains.claim(conn, rule.id, self.token, self.started_at):
+                return self._superseded(report, conn)
+            self._claimed = True
+        elif not chains.holds_fence(conn, rule.id, self.token):
+            return self._superseded(report, conn)
+        # A chain holding the lock job after job retakes it the moment it lets go, while a
+        # newer one waits in steps: without a handover a manual run would wait out the
+        # whole older chain. The most recently started chain goes on, as in `claim`.
+        newer = liveness.newer_waiting(conn, rule.id, self.token, self.started_at, self.clock())
+        if newer is None:
+            return None
+        report.ended_by = ChainEnd.SUPERSEDED
+        report.message = (
+            f"chain superseded: a newer chain of rule {rule.name!r} (flow run "
+            f"{newer.flow_run_id or '-'}) is waiting for the rule and takes over"
+        )
+        self.report.add(report)
+        return report
+
+    def _run_job(
+        self, candidates: list[Candidate], phase: Phase, report: BatchReport
+    ) -> tuple[list[LedgerStatus | None], ChainEnd | None]:
+        """Deliver and settle the page by the job chosen for the target, counting what it attempted
+        into `report`. Returns each candidate's settled status (None: not attempted) and how the
+        batch was cut short, if it was."""
         deleting = self._guard_deletes(candidates)
         self._deadline = self._job_deadline(self.rule)
         waited = self.waited_seconds
@@ -347,6 +392,18 @@ class Chain:
             if status is not None:
                 report.attempted += 1
                 report.counts[status.value] += 1
+        return attempted, ended
+
+    def _conclude(
+        self,
+        phase: Phase,
+        report: BatchReport,
+        candidates: list[Candidate],
+        attempted: list[LedgerStatus | None],
+        ended: ChainEnd | None,
+    ) -> BatchReport:
+        """How the batch ended, and the cursor moved past what it attempted (a scan's)."""
+        assert self._breaker is not None
         report.left_behind = self._left_behind(candidates, attempted)
         if ended is ChainEnd.SUPERSEDED:
             return self._superseded(report)
@@ -356,20 +413,17 @@ class Chain:
         if ended is ChainEnd.RATE_LIMITED:
             report.ended_by = ended
             report.message = self._held_message()
-        # The cursor moves past the records attempted, and only those: with writes in parallel a
-        # breaker can cut a batch with holes, so it stops before the first record not attempted.
-        highest: Cursor | None = None
-        for candidate, status in zip(candidates, attempted, strict=True):
-            if status is None:
-                break
-            highest = Cursor(candidate.record.changed_at, candidate.record.id)
-        if phase is Phase.SCAN and candidates:
+        if phase is not Phase.SCAN:
+            self.report.add(report)
+            return report
+        to = cursor_after(candidates, attempted, self._scan_from)
+        if candidates:
             self._scan_from = Cursor(candidates[-1].record.changed_at, candidates[-1].record.id)
-        if phase is Phase.SCAN and highest is not None:
+        if to is not None:
             with self.engine.begin() as conn:
-                if not chains.holds_fence(conn, rule.id, self.token):
+                if not chains.holds_fence(conn, self.rule.id, self.token):
                     return self._superseded(report, conn)
-                report.cursor_after = chains.move_cursor(conn, rule.id, highest)
+                report.cursor_after = chains.move_cursor(conn, self.rule.id, to)
                 self._heartbeat(conn, every=0)
         self.report.add(report)
         return report
