@@ -7,11 +7,11 @@ each record's outcome is its own ledger write, committed on its own or with othe
 (the target connection's `settle`, see `delivery.settle`), and the cursor moves only when a batch
 concludes, after every outcome of the batch is committed.
 This module holds the chain's life: it opens and closes the chain, claims the rule and reads each
-job's page, builds the job's narrow context (`delivery.job.JobContext`) and chooses the job, in one
-place (`_job_type`): settled record by record (`delivery.per_record`), in groups
-(`delivery.grouped`), in batch calls (`delivery.bulk`), or sent from one event loop
-(`delivery.async_job`), peers behind the `delivery.job.Job`
-protocol that never import this module. One record's check, plan and send are `delivery.step`'s.
+job's page (`_start_job`), builds the job's narrow context (`delivery.job.JobContext`) and has the
+one job (`delivery.job.Job`) made for it, its sender and its settle chosen in one place
+(`delivery.senders.choose`) from the writer and the connection; then it moves the cursor past what
+the job attempted (`cursor_after`, pure). No job, sender or settle module imports this one. One
+record's check, plan and send are `delivery.step`'s.
 The orchestration (one Prefect task per batch) lives in `flows/`; this module knows nothing of it.
 """
 
@@ -26,9 +26,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from delivery import decisions, liveness
-from delivery.async_job import AsyncJob
 from delivery.breaker import BreakerListener, TargetBreaker, open_message
-from delivery.bulk import BulkJob, offers_batches
 from delivery.clock import SYSTEM, Clock
 from delivery.domain import (
     BatchReport,
@@ -40,7 +38,6 @@ from delivery.domain import (
     LeftBehind,
     Phase,
     Rule,
-    SettleMode,
 )
 from delivery.errors import (
     MissingCredential,
@@ -48,11 +45,11 @@ from delivery.errors import (
     TooManyDeletes,
     UnusableCredential,
 )
-from delivery.grouped import GroupedJob
-from delivery.job import Fence, Heartbeat, JobContext, JobType
-from delivery.per_record import PerRecordJob
+from delivery.job import Fence, Heartbeat, JobContext, Sender
 from delivery.redact import redact
+from delivery.senders import choose, job_for
 from delivery.settings import settings
+from delivery.settle import Settle
 from delivery.step import RecordStep
 from delivery.storable import storable_text
 from delivery.store import catalog, chains, ledger
@@ -64,9 +61,7 @@ from delivery.writers.base import (
     accepts_concurrency,
     accepts_credentials,
     credentials_for,
-    offers_async,
     secret_sources,
-    single_verbs_of,
     token_for,
     token_problem,
     token_source,
@@ -300,7 +295,7 @@ class Chain:
 
     def run_batch(self, phase: Phase) -> BatchReport:
         """One job: a page of candidates, read under the lock (`_start_job`), then delivered and
-        settled by the job chosen for the target (`_run_job`), then the cursor moved past what it
+        settled by the job made for the target (`_run_job`), then the cursor moved past what it
         attempted (`_conclude`). An exception leaves the batch (and the chain) at once, and the
         cursor where it was."""
         if self._writer is None or self._breaker is None:
@@ -376,7 +371,7 @@ class Chain:
     def _run_job(
         self, candidates: list[Candidate], phase: Phase, report: BatchReport
     ) -> tuple[list[LedgerStatus | None], ChainEnd | None]:
-        """Deliver and settle the page by the job chosen for the target, counting what it attempted
+        """Deliver and settle the page by the job made for the target, counting what it attempted
         into `report`. Returns each candidate's settled status (None: not attempted) and how the
         batch was cut short, if it was."""
         deleting = self._guard_deletes(candidates)
@@ -474,33 +469,17 @@ class Chain:
 
     def _work(self, candidates: list[Candidate], phase: Phase) -> tuple[list[LedgerStatus | None], ChainEnd | None]:
         """Deliver and settle the candidates, `rule.concurrency` at a time (1: strictly in order), by
-        the job this chain chooses. Returns each candidate's settled status (None: not attempted)
-        and how the batch was cut short, if it was. The first exception stops every worker and is
-        raised."""
-        job = self._job_type()(self._job_context(), candidates, phase)
-        settled, cuts = job.run()
+        the job made for this chain's writer and target (`delivery.senders.job_for`). Returns each
+        candidate's settled status (None: not attempted) and how the batch was cut short, if it
+        was. The first exception stops every worker and is raised."""
+        settled, cuts = job_for(self._job_context(), candidates, phase).run()
         return settled, (ChainEnd.SUPERSEDED if ChainEnd.SUPERSEDED in cuts else (cuts[0] if cuts else None))
 
-    def _job_type(self) -> JobType:
-        """The one place a job's way is chosen: by the target's `settle`, and its writer's verbs.
-        A writer with async verbs sends from one event loop (`AsyncJob`) where settles are grouped
-        and the target has no rate budget. It keeps the thread path while it has sync verbs on a
-        `per_record` connection (one transaction per outcome is what bounds that path) and on a
-        target with a budget (which bounds the rate anyway; a request leaving its slot late by a
-        loop's turn on a loaded machine was seen to crowd the next one's second). Only a writer
-        offering nothing but async verbs is always sent from the loop, on a `per_record`
-        connection each outcome committed before its task takes the next record."""
-        writer = self._writer
-        assert writer is not None
-        target = self.rule.target
-        grouped = target.settle is SettleMode.GROUPED
-        if grouped and offers_batches(writer):
-            return BulkJob
-        if offers_async(writer) and (not single_verbs_of(type(writer)) or (grouped and target.rate_limit is None)):
-            return AsyncJob
-        if grouped:
-            return GroupedJob
-        return PerRecordJob
+    def _ways(self) -> tuple[Sender, Settle]:
+        """The sender and the settle the next job gets (`delivery.senders.choose`, the one place
+        they are chosen)."""
+        assert self._writer is not None
+        return choose(self._writer, self.rule.target)
 
     def _job_context(self) -> JobContext:
         """What the job in progress may use: its rule, step, writer, fence, clock, heartbeat,
