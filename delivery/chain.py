@@ -7,11 +7,11 @@ each record's outcome is its own ledger write, committed on its own or with othe
 (the target connection's `settle`, see `delivery.settle`), and the cursor moves only when a batch
 concludes, after every outcome of the batch is committed.
 This module holds the chain's life: it opens and closes the chain, claims the rule and reads each
-job's page, builds the job's narrow context (`delivery.job.JobContext`) and chooses the job, in one
-place (`_job_type`): settled record by record (`delivery.per_record`), in groups
-(`delivery.grouped`), in batch calls (`delivery.bulk`), or sent from one event loop
-(`delivery.async_job`), peers behind the `delivery.job.Job`
-protocol that never import this module. One record's check, plan and send are `delivery.step`'s.
+job's page (`_start_job`), builds the job's narrow context (`delivery.job.JobContext`) and has the
+one job (`delivery.job.Job`) made for it, its sender and its settle chosen in one place
+(`delivery.senders.choose`) from the writer and the connection; then it moves the cursor past what
+the job attempted (`cursor_after`, pure). No job, sender or settle module imports this one. One
+record's check, plan and send are `delivery.step`'s.
 The orchestration (one Prefect task per batch) lives in `flows/`; this module knows nothing of it.
 """
 
@@ -26,9 +26,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from delivery import decisions, liveness
-from delivery.async_job import AsyncJob
 from delivery.breaker import BreakerListener, TargetBreaker, open_message
-from delivery.bulk import BulkJob, offers_batches
 from delivery.clock import SYSTEM, Clock
 from delivery.domain import (
     BatchReport,
@@ -40,7 +38,6 @@ from delivery.domain import (
     LeftBehind,
     Phase,
     Rule,
-    SettleMode,
 )
 from delivery.errors import (
     MissingCredential,
@@ -48,11 +45,11 @@ from delivery.errors import (
     TooManyDeletes,
     UnusableCredential,
 )
-from delivery.grouped import GroupedJob
-from delivery.job import Fence, Heartbeat, JobContext, JobType
-from delivery.per_record import PerRecordJob
+from delivery.job import Fence, Heartbeat, JobContext, Sender
 from delivery.redact import redact
+from delivery.senders import choose, job_for
 from delivery.settings import settings
+from delivery.settle import Settle
 from delivery.step import RecordStep
 from delivery.storable import storable_text
 from delivery.store import catalog, chains, ledger
@@ -64,9 +61,7 @@ from delivery.writers.base import (
     accepts_concurrency,
     accepts_credentials,
     credentials_for,
-    offers_async,
     secret_sources,
-    single_verbs_of,
     token_for,
     token_problem,
     token_source,
@@ -78,6 +73,23 @@ log = logging.getLogger(__name__)
 #: Seconds a job keeps in hand before its timeout, beyond one request's own timeout: a wait for
 #: the target's traffic never runs the job into its timeout (which would fail the chain).
 JOB_DEADLINE_MARGIN_SECONDS = 5.0
+
+
+def cursor_after(
+    candidates: Sequence[Candidate], attempted: Sequence[LedgerStatus | None], since: Cursor | None
+) -> Cursor | None:
+    """Where a scan job moves the cursor, pure: past the page's records attempted (`attempted[i]`
+    not None), and only those. With writes in parallel a breaker can cut a batch with holes, so it
+    stops before the first record not attempted. `since` is where the page was read from: a cursor
+    not past it is no move (None), so the cursor never goes backwards."""
+    highest: Cursor | None = None
+    for candidate, status in zip(candidates, attempted, strict=True):
+        if status is None:
+            break
+        highest = Cursor(candidate.record.changed_at, candidate.record.id)
+    if highest is None or (since is not None and highest <= since):
+        return None
+    return highest
 
 
 class Chain:
@@ -282,34 +294,28 @@ class Chain:
     # -- one job -------------------------------------------------------------------------------
 
     def run_batch(self, phase: Phase) -> BatchReport:
-        """One job: a page of candidates, read under the lock, then delivered and settled by the job
-        chosen for the target (`_job_type`). An exception leaves the batch (and the chain) at once,
-        and the cursor where it was."""
+        """One job: a page of candidates, read under the lock (`_start_job`), then delivered and
+        settled by the job made for the target (`_run_job`), then the cursor moved past what it
+        attempted (`_conclude`). An exception leaves the batch (and the chain) at once, and the
+        cursor where it was."""
         if self._writer is None or self._breaker is None:
             raise RuntimeError("run_batch() before a successful open()")
         report = BatchReport(phase)
+        page = self._start_job(phase, report)
+        if isinstance(page, BatchReport):
+            return page
+        attempted, ended = self._run_job(page, phase, report)
+        return self._conclude(phase, report, page, attempted, ended)
+
+    def _start_job(self, phase: Phase, report: BatchReport) -> list[Candidate] | BatchReport:
+        """The start of a job, in one transaction under the lock: the claim or the fence, the
+        handover to a newer chain, the gate, the cursor, the page. Returns the page, or the batch's
+        report when the chain cannot go on (superseded, handed over, gated)."""
         rule = self.rule
         with self.engine.begin() as conn:
-            if not self._claimed:
-                # The first job claims the rule; the cursor is read only now, under the lock,
-                # since a chain before this one may have moved it since we started.
-                if not chains.claim(conn, rule.id, self.token, self.started_at):
-                    return self._superseded(report, conn)
-                self._claimed = True
-            elif not chains.holds_fence(conn, rule.id, self.token):
-                return self._superseded(report, conn)
-            # A chain holding the lock job after job retakes it the moment it lets go, while a
-            # newer one waits in steps: without a handover a manual run would wait out the
-            # whole older chain. The most recently started chain goes on, as in `claim`.
-            newer = liveness.newer_waiting(conn, rule.id, self.token, self.started_at, self.clock())
-            if newer is not None:
-                report.ended_by = ChainEnd.SUPERSEDED
-                report.message = (
-                    f"chain superseded: a newer chain of rule {rule.name!r} (flow run "
-                    f"{newer.flow_run_id or '-'}) is waiting for the rule and takes over"
-                )
-                self.report.add(report)
-                return report
+            ended = self._hold(conn, report)
+            if ended is not None:
+                return ended
             # The gate again at every job, under the lock: a connection set to error or disabled
             # mid-chain stops the chain at its next job, not at the next tick.
             fresh = catalog.get_rule(conn, rule.name)
@@ -334,6 +340,40 @@ class Chain:
                 candidates = ledger.scan_page(conn, rule, self._scan_from, rule.batch_size)
         if saved is not None:
             self._adopt(saved)
+        return candidates
+
+    def _hold(self, conn: sa.Connection, report: BatchReport) -> BatchReport | None:
+        """Claim the rule (the first job) or check the fence (the next ones), and hand over to a
+        newer chain waiting for the rule. Returns the batch's report when this chain ends here."""
+        rule = self.rule
+        if not self._claimed:
+            # The first job claims the rule; the cursor is read only now, under the lock,
+            # since a chain before this one may have moved it since we started.
+            if not chains.claim(conn, rule.id, self.token, self.started_at):
+                return self._superseded(report, conn)
+            self._claimed = True
+        elif not chains.holds_fence(conn, rule.id, self.token):
+            return self._superseded(report, conn)
+        # A chain holding the lock job after job retakes it the moment it lets go, while a
+        # newer one waits in steps: without a handover a manual run would wait out the
+        # whole older chain. The most recently started chain goes on, as in `claim`.
+        newer = liveness.newer_waiting(conn, rule.id, self.token, self.started_at, self.clock())
+        if newer is None:
+            return None
+        report.ended_by = ChainEnd.SUPERSEDED
+        report.message = (
+            f"chain superseded: a newer chain of rule {rule.name!r} (flow run "
+            f"{newer.flow_run_id or '-'}) is waiting for the rule and takes over"
+        )
+        self.report.add(report)
+        return report
+
+    def _run_job(
+        self, candidates: list[Candidate], phase: Phase, report: BatchReport
+    ) -> tuple[list[LedgerStatus | None], ChainEnd | None]:
+        """Deliver and settle the page by the job made for the target, counting what it attempted
+        into `report`. Returns each candidate's settled status (None: not attempted) and how the
+        batch was cut short, if it was."""
         deleting = self._guard_deletes(candidates)
         self._deadline = self._job_deadline(self.rule)
         waited = self.waited_seconds
@@ -347,6 +387,18 @@ class Chain:
             if status is not None:
                 report.attempted += 1
                 report.counts[status.value] += 1
+        return attempted, ended
+
+    def _conclude(
+        self,
+        phase: Phase,
+        report: BatchReport,
+        candidates: list[Candidate],
+        attempted: list[LedgerStatus | None],
+        ended: ChainEnd | None,
+    ) -> BatchReport:
+        """How the batch ended, and the cursor moved past what it attempted (a scan's)."""
+        assert self._breaker is not None
         report.left_behind = self._left_behind(candidates, attempted)
         if ended is ChainEnd.SUPERSEDED:
             return self._superseded(report)
@@ -356,20 +408,17 @@ class Chain:
         if ended is ChainEnd.RATE_LIMITED:
             report.ended_by = ended
             report.message = self._held_message()
-        # The cursor moves past the records attempted, and only those: with writes in parallel a
-        # breaker can cut a batch with holes, so it stops before the first record not attempted.
-        highest: Cursor | None = None
-        for candidate, status in zip(candidates, attempted, strict=True):
-            if status is None:
-                break
-            highest = Cursor(candidate.record.changed_at, candidate.record.id)
-        if phase is Phase.SCAN and candidates:
+        if phase is not Phase.SCAN:
+            self.report.add(report)
+            return report
+        to = cursor_after(candidates, attempted, self._scan_from)
+        if candidates:
             self._scan_from = Cursor(candidates[-1].record.changed_at, candidates[-1].record.id)
-        if phase is Phase.SCAN and highest is not None:
+        if to is not None:
             with self.engine.begin() as conn:
-                if not chains.holds_fence(conn, rule.id, self.token):
+                if not chains.holds_fence(conn, self.rule.id, self.token):
                     return self._superseded(report, conn)
-                report.cursor_after = chains.move_cursor(conn, rule.id, highest)
+                report.cursor_after = chains.move_cursor(conn, self.rule.id, to)
                 self._heartbeat(conn, every=0)
         self.report.add(report)
         return report
@@ -420,33 +469,17 @@ class Chain:
 
     def _work(self, candidates: list[Candidate], phase: Phase) -> tuple[list[LedgerStatus | None], ChainEnd | None]:
         """Deliver and settle the candidates, `rule.concurrency` at a time (1: strictly in order), by
-        the job this chain chooses. Returns each candidate's settled status (None: not attempted)
-        and how the batch was cut short, if it was. The first exception stops every worker and is
-        raised."""
-        job = self._job_type()(self._job_context(), candidates, phase)
-        settled, cuts = job.run()
+        the job made for this chain's writer and target (`delivery.senders.job_for`). Returns each
+        candidate's settled status (None: not attempted) and how the batch was cut short, if it
+        was. The first exception stops every worker and is raised."""
+        settled, cuts = job_for(self._job_context(), candidates, phase).run()
         return settled, (ChainEnd.SUPERSEDED if ChainEnd.SUPERSEDED in cuts else (cuts[0] if cuts else None))
 
-    def _job_type(self) -> JobType:
-        """The one place a job's way is chosen: by the target's `settle`, and its writer's verbs.
-        A writer with async verbs sends from one event loop (`AsyncJob`) where settles are grouped
-        and the target has no rate budget. It keeps the thread path while it has sync verbs on a
-        `per_record` connection (one transaction per outcome is what bounds that path) and on a
-        target with a budget (which bounds the rate anyway; a request leaving its slot late by a
-        loop's turn on a loaded machine was seen to crowd the next one's second). Only a writer
-        offering nothing but async verbs is always sent from the loop, on a `per_record`
-        connection each outcome committed before its task takes the next record."""
-        writer = self._writer
-        assert writer is not None
-        target = self.rule.target
-        grouped = target.settle is SettleMode.GROUPED
-        if grouped and offers_batches(writer):
-            return BulkJob
-        if offers_async(writer) and (not single_verbs_of(type(writer)) or (grouped and target.rate_limit is None)):
-            return AsyncJob
-        if grouped:
-            return GroupedJob
-        return PerRecordJob
+    def _ways(self) -> tuple[Sender, Settle]:
+        """The sender and the settle the next job gets (`delivery.senders.choose`, the one place
+        they are chosen)."""
+        assert self._writer is not None
+        return choose(self._writer, self.rule.target)
 
     def _job_context(self) -> JobContext:
         """What the job in progress may use: its rule, step, writer, fence, clock, heartbeat,

@@ -1,4 +1,7 @@
-"""Grouped settles: records' ledger writes committed together, in bounded groups.
+"""How a job's outcomes are committed (its `Settle`, the connection's `settle`): in bounded groups, or
+each on its own.
+
+Grouped settles: records' ledger writes committed together, in bounded groups.
 
 Each record still gets its own ledger write with its own outcome; what a group shares is the commit.
 A group is committed once it holds `GROUP_RECORDS` outcomes or its oldest has waited `GROUP_SECONDS`,
@@ -7,7 +10,11 @@ at most the outcomes not committed yet (a group being committed and at most two 
 the workers back beyond that): their records are sent again by the next chain, which is safe where
 the target honours the Idempotency-Key (a repeated create is answered with the record it made) and
 an update repeats the same body. A connection whose target does not honour the key is settled
-`per_record` instead (`SettleMode`).
+`per_record` instead (`SettleMode`): each outcome committed, by the worker that reached it, before
+that worker takes another record (`EachOnItsOwn`).
+
+The settle is one axis of a job (`delivery.job.Job`), the sender the other: any sender hands its
+outcomes to the `Outcomes` its job's settle opened.
 """
 
 from __future__ import annotations
@@ -15,9 +22,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
+
+from delivery.domain import SettleMode
 
 T = TypeVar("T")
+T_contra = TypeVar("T_contra", contravariant=True)
 
 #: A group is committed once it holds this many outcomes ...
 GROUP_RECORDS = 50
@@ -27,10 +37,73 @@ GROUP_SECONDS = 0.2
 JOIN_STEP_SECONDS = 0.05
 
 
+class Outcomes(Protocol[T_contra]):
+    """Where a job's outcomes go while it runs."""
+
+    #: Each outcome is committed by the worker that reached it, before that worker takes another
+    #: record (the job's `hand_over` commits it and hears at once whether the fence still holds).
+    each: bool
+    #: The commit's error that stopped the gathering, for the job to raise.
+    error: BaseException | None
+
+    def add(self, item: T_contra) -> None: ...
+
+    def close(self, *, commit: bool) -> None: ...
+
+
+class Settle(Protocol):
+    """How a job's outcomes are committed: what `open` returns receives them while the job runs."""
+
+    mode: SettleMode
+
+    def open(self, commit: Callable[[list[T]], None], on_error: Callable[[], None]) -> Outcomes[T]: ...
+
+
+class Grouped:
+    """Outcomes committed in bounded groups, by a thread of their own (`SettleGroups`)."""
+
+    mode = SettleMode.GROUPED
+
+    def open(self, commit: Callable[[list[T]], None], on_error: Callable[[], None]) -> Outcomes[T]:
+        return SettleGroups(commit, on_error)
+
+
+class PerRecord:
+    """Each outcome committed on its own, by the worker that reached it (`EachOnItsOwn`)."""
+
+    mode = SettleMode.PER_RECORD
+
+    def open(self, commit: Callable[[list[T]], None], on_error: Callable[[], None]) -> Outcomes[T]:
+        return EachOnItsOwn(commit)
+
+
+def settle_for(mode: SettleMode) -> Settle:
+    """The settle of a connection set to `mode`."""
+    return Grouped() if mode is SettleMode.GROUPED else PerRecord()
+
+
+class EachOnItsOwn(Generic[T]):
+    """Nothing gathered: an outcome added is committed at once, in the adding thread."""
+
+    each = True
+
+    def __init__(self, commit: Callable[[list[T]], None]) -> None:
+        self._commit = commit
+        self.error: BaseException | None = None
+
+    def add(self, item: T) -> None:
+        self._commit([item])
+
+    def close(self, *, commit: bool) -> None:
+        """Nothing waits to be committed: every outcome was, when it was added."""
+
+
 class SettleGroups(Generic[T]):
     """Outcomes gathered from any number of worker threads and handed to `commit` in groups, on a
     thread of its own. `commit` raising stops the gathering: the error is kept for the job to raise
     (`error`), and `on_error` is called at once so the workers can stop taking records."""
+
+    each = False
 
     def __init__(
         self,

@@ -1,9 +1,10 @@
 """One record's step, decided and sent: is it a candidate at all, what to do with it (an outcome
 reached without writing, or the write to make), and the write itself with where its fault goes.
 
-No database here: the job records intents and settles outcomes around these calls, record by
-record (`delivery.per_record`), in groups (`delivery.grouped`) or after batch calls
-(`delivery.bulk`); see `delivery.job`.
+No database here: the job (`delivery.job`) records intents and settles outcomes around these calls,
+whichever sender makes them: one record at a time (`delivery.send_one`), from threads
+(`delivery.send_threads`), from one event loop (`delivery.send_loop`) or in batch calls
+(`delivery.send_batches`).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
-from delivery import chain as chain_module
 from delivery import db
+from delivery import senders as senders_module
 from delivery.store.tables import metadata
 from tests.prefect_server import TEMPLATE_ENV, copy_database
 from tests.support.databases import create_postgres_database, drop_postgres_database
@@ -206,9 +206,9 @@ def target(_target_session: TargetServer, monkeypatch: pytest.MonkeyPatch) -> Ta
 
 @pytest.fixture(params=["loop", "threads"])
 def job_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Which way the `rest` writer's grouped jobs send: from one event loop (`AsyncJob`, what a
-    writer with async verbs gets) or a thread per call in flight (`GroupedJob`, what a writer with
-    only sync verbs gets), the chain told the writer has no async verbs."""
+    """Which way the `rest` writer's grouped jobs send: from one event loop (`EventLoop`, what a
+    writer with async verbs gets) or a thread per call in flight (`Threads`, what a writer with
+    only sync verbs gets), the choice (`delivery.senders.choose`) told the writer has no async verbs."""
     if request.param == "threads":
-        monkeypatch.setattr(chain_module, "offers_async", lambda _writer: False)
+        monkeypatch.setattr(senders_module, "offers_async", lambda _writer: False)
     return str(request.param)

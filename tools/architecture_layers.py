@@ -48,7 +48,7 @@ WORDS: dict[str, str] = {
     "delivery.apply": "the services the command line and the flows call (`reports`: what the runs publish)",
     "delivery.status": "what `delivery status` shows; `listings` reads its connection overview",
     "delivery.chain": "one chain of a rule; when a phase is done; what a chain's end says of its rule",
-    "delivery.job": "the jobs (the chain chooses one), the workers and settles they use, the step that sends",
+    "delivery.job": "the job, its senders (one chosen in `senders`), its settles and workers, the step that sends",
     "delivery.breaker": "the target controls: the breaker, the liveness windows, the traffic control",
     "delivery.pybreaker_private": "the only module that reads pybreaker's private names",
     "delivery.config": "the operator's files: the YAML configuration, the mirror's input",

@@ -18,10 +18,10 @@ splits the call and sends the halves, so that one bad record never parks its nei
 
 A verb also comes as a coroutine (`CreatesAsync`, `UpdatesAsync`: `acreate`, `aupdate`), raising
 exactly what its one-record form raises. A writer offering them is called on one event loop, its
-calls in flight as tasks, instead of a thread per call (`delivery.async_job`): the job opens the
+calls in flight as tasks, instead of a thread per call (`delivery.send_loop`): the job opens the
 writer on that loop first (`aopen`, where a client bound to the loop is made) and closes it there
 last (`aclose`). A writer may offer both forms (the `rest` family does): which one is called is the
-chain's choice (`delivery.chain`, `_job_type`). `thread_safe` then also says whether calls may
+job's choice (`delivery.senders.choose`). `thread_safe` then also says whether calls may
 overlap on the loop: a writer keeping per-call state between awaits leaves it False and gets one
 call at a time.
 """
@@ -142,7 +142,7 @@ def async_verbs_of(writer_type: type[Writer]) -> frozenset[Verb]:
 
 def offers_async(writer: Writer) -> bool:
     """Whether the writer offers every verb it has in one record per call as a coroutine too (and
-    at least one): then its records can be sent from one event loop (`delivery.async_job`)."""
+    at least one): then its records can be sent from one event loop (`delivery.send_loop`)."""
     asynchronous = async_verbs_of(type(writer))
     return bool(asynchronous) and single_verbs_of(type(writer)) <= asynchronous
 

@@ -1,4 +1,4 @@
-"""The async path (`delivery.async_job.AsyncJob`): a writer with async verbs sends from one event
+"""The async path (`delivery.send_loop.EventLoop`): a writer with async verbs sends from one event
 loop, its calls in flight at once (counted on the real local target), a job cut by a timeout raised
 into its thread leaves nothing running and every call that may have gone out recorded as unknown,
 `run()` works from a thread that runs a loop of its own, and writers of third parties work either
@@ -18,12 +18,12 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from delivery.async_job import AsyncJob
 from delivery.chain import Chain
-from delivery.domain import Connection, Phase
+from delivery.domain import Connection, Phase, SettleMode
 from delivery.errors import RecordRejected, TargetUnavailable
-from delivery.grouped import GroupedJob
-from delivery.per_record import PerRecordJob
+from delivery.send_loop import EventLoop
+from delivery.send_one import OneAtATime
+from delivery.send_threads import Threads
 from delivery.settle import GROUP_RECORDS, SettleGroups
 from delivery.store import ledger
 from delivery.writers.base import Creates, CreatesAsync, Updates, UpdatesAsync, Writer
@@ -62,7 +62,7 @@ def test_the_loop_keeps_the_rules_concurrency_in_flight_and_no_more(
     target.latency_ms = 300  # every call outlasts the time it takes to start all of them
     chain = Chain(engine, RULE)
     assert chain.open() is None
-    assert chain._job_type() is AsyncJob
+    assert type(chain._ways()[0]) is EventLoop
     report = chain.run_batch(Phase.SCAN)
     chain.finish()
     assert report.counts["delivered"] == len(ids)
@@ -201,12 +201,12 @@ def _judge(answer: httpx.Response) -> None:
 
 
 @pytest.mark.parametrize(
-    ("writer", "settle", "job"),
+    ("writer", "settle", "sender"),
     [
-        (_SyncOnlyWriter, "grouped", GroupedJob),
-        (_SyncOnlyWriter, "per_record", PerRecordJob),
-        (_AsyncOnlyWriter, "grouped", AsyncJob),
-        (_AsyncOnlyWriter, "per_record", AsyncJob),
+        (_SyncOnlyWriter, "grouped", Threads),
+        (_SyncOnlyWriter, "per_record", OneAtATime),
+        (_AsyncOnlyWriter, "grouped", EventLoop),
+        (_AsyncOnlyWriter, "per_record", EventLoop),
     ],
     ids=["sync-grouped", "sync-per-record", "async-grouped", "async-per-record"],
 )
@@ -215,7 +215,7 @@ def test_a_third_partys_writer_delivers_on_the_path_its_verbs_ask_for(
     target: TargetServer,
     writer: type[Writer],
     settle: str,
-    job: type[Any],
+    sender: type[Any],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A group is also committed once its oldest outcome has waited 200 ms; on a loaded machine the
@@ -230,7 +230,8 @@ def test_a_third_partys_writer_delivers_on_the_path_its_verbs_ask_for(
         world.load(*ids)
         chain = Chain(engine, RULE)
         assert chain.open() is None
-        assert chain._job_type() is job
+        way, way_settle = chain._ways()
+        assert (type(way), way_settle.mode) == (sender, SettleMode(settle))
         chain.finish()
         with Commits(engine) as commits:
             drive(engine, RULE)
@@ -249,15 +250,15 @@ def test_a_third_partys_writer_delivers_on_the_path_its_verbs_ask_for(
 
 
 @pytest.mark.parametrize(
-    ("target_options", "job"),
-    [({}, AsyncJob), ({"rate_limit": {"per_second": 10}}, GroupedJob), ({"settle": "per_record"}, PerRecordJob)],
+    ("target_options", "sender"),
+    [({}, EventLoop), ({"rate_limit": {"per_second": 10}}, Threads), ({"settle": "per_record"}, OneAtATime)],
     ids=["grouped", "rate-budget", "per-record"],
 )
 def test_the_rest_writer_is_sent_from_the_loop_only_on_grouped_targets_without_a_budget(
-    engine: sa.Engine, target: TargetServer, target_options: dict[str, Any], job: type[Any]
+    engine: sa.Engine, target: TargetServer, target_options: dict[str, Any], sender: type[Any]
 ) -> None:
     World(engine, target).apply(target=target_options)
     chain = Chain(engine, RULE)
     assert chain.open() is None
-    assert chain._job_type() is job
+    assert type(chain._ways()[0]) is sender
     chain.finish()

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from delivery import chain as chain_module
+from delivery import senders as senders_module
 from delivery.clock import utcnow
 from delivery.domain import Candidate, ChainEnd, ConnectionStatus
 from delivery.errors import LedgerRowConflict, MissingWriter, RuleFault, UnexpectedCandidate, UnsupportedDeliveryVerb
@@ -34,7 +34,7 @@ def world(
     # writer with only sync verbs gets).
     settle, _, path = request.param.partition("-")
     if path == "threads":
-        monkeypatch.setattr(chain_module, "offers_async", lambda _writer: False)
+        monkeypatch.setattr(senders_module, "offers_async", lambda _writer: False)
     return World(engine, target).apply(target={"settle": settle}, rule={"concurrency": 1})
 
 

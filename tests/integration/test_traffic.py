@@ -237,7 +237,7 @@ def test_whatever_leaves_the_admission_takes_the_intent_back(
 ) -> None:
     """Before: an OverflowError from the budget (`per_second: 1e-300`, refused at apply since) failed
     the chain and left each create's intent as a due failure that was never sent (issue 29, 6)."""
-    from delivery import chain as chain_module
+    from delivery import senders as senders_module
     from delivery.errors import TrafficControlFailed
 
     settle, _, threads = path.partition("-")
@@ -247,7 +247,7 @@ def test_whatever_leaves_the_admission_takes_the_intent_back(
     else:
         connection["settle"] = settle
     if threads:
-        monkeypatch.setattr(chain_module, "offers_async", lambda _writer: False)
+        monkeypatch.setattr(senders_module, "offers_async", lambda _writer: False)
     world.apply(target=connection)
     world.load("a", "b")
 

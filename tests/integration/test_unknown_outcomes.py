@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from delivery import chain as chain_module
+from delivery import senders as senders_module
 from delivery.clock import utcnow
 from delivery.domain import ChainEnd
 from delivery.errors import Unauthorized
@@ -68,7 +68,7 @@ def settle_mode(settle: str) -> str:
     """The connection's `settle` of a `SETTLES` case, the path it asks for taken (see `world_for`)."""
     mode, _, path = settle.partition("-")
     if path == "threads":
-        _threads.setattr(chain_module, "offers_async", lambda _writer: False)
+        _threads.setattr(senders_module, "offers_async", lambda _writer: False)
     return mode
 
 

@@ -1,29 +1,31 @@
-"""One job whose calls in flight are tasks on one event loop (`AsyncJob`), for a writer offering
+"""The sender whose calls in flight are tasks on one event loop (`EventLoop`), for a writer offering
 its verbs as coroutines (`delivery.writers.base.CreatesAsync`, `UpdatesAsync`).
 
-A grouped job (`delivery.grouped.GroupedJob`) whose sending is `context.workers` tasks on a loop of
-its own instead of as many threads: each task takes the next record in the batch's order, as a
-thread of `delivery.workers` does, so at most `workers` calls are in flight and a cut stops every
-task taking more. Everything else is the grouped job's: windows of `GROUP_RECORDS` candidates whose
-intents are committed (one transaction, one executemany) before any of them is sent, outcomes
-committed in groups of at most 50 records or 200 ms by the gatherer's thread (`SettleGroups`), the
-fence checked in every one of those transactions, unsent intents taken back.
+`context.workers` tasks on a loop of the job's own instead of as many threads: each task takes the
+next record in the batch's order, as a thread of `delivery.send_threads` does, so at most `workers`
+calls are in flight and a cut stops every task taking more. Everything else is the job's
+(`delivery.job.Job`): windows of `GROUP_RECORDS` candidates whose intents are committed (one
+transaction, one executemany) before any of them is sent, the fence checked in every transaction,
+unsent intents taken back; outcomes settled as the job's settle says: in groups of at most 50
+records or 200 ms by the gatherer's thread (`SettleGroups`), or each on its own before its task
+takes the next record (`per_record`).
 
 No database write runs on the loop: a window's intents are committed on a thread of the job's own
 (`delivery-db`, one, so windows are written in order), started one window ahead so the tasks
-rarely wait for it; the settles on the gatherer's thread. A wait for the target's traffic goes to
-another pool (`off_loop`); only an admission that needs neither wait nor read, and the breaker's
-bookkeeping (reads served by the row the settles read, a write only on a failure), stay on the loop.
+rarely wait for it; the settles on the gatherer's thread, or (`per_record`) on `delivery-db` too. A
+wait for the target's traffic goes to another pool (`off_loop`); only an admission that needs
+neither wait nor read, and the breaker's bookkeeping (reads served by the row the settles read, a
+write only on a failure), stay on the loop.
 
-`run()` is called from a thread (the chain's, or a Prefect task's) that may or may not run a loop
+`send()` is called from a thread (the chain's, or a Prefect task's) that may or may not run a loop
 of its own: the job's loop always runs on a dedicated thread (never a nested `asyncio.run`), and the
 calling thread waits for it in short steps, so a timeout or a cancellation raised into the calling
 thread is delivered at once. It then cuts the job: the tasks are cancelled where they wait (a call
 in flight is abandoned, its answer never seen), no call starts after, nothing settles after, and the
 intent of every call that may have gone out stays, so its outcome reads as unknown (a create's row
 says in flight and its retry repeats the key; an update's row is in doubt), exactly as when the
-thread path's job ends with calls in flight. Chosen by the chain for such a writer
-(`delivery.chain`, `_job_type`); given a `JobContext`, never the chain.
+thread path's job ends with calls in flight. Chosen for such a writer by `delivery.senders.choose`;
+it sees the job and its `JobContext`, never the chain.
 """
 
 from __future__ import annotations
@@ -36,31 +38,26 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from delivery.breaker import TargetBreaker
-from delivery.domain import Candidate, ChainEnd, Phase, SettleMode
-from delivery.grouped import GroupedJob, _Settle
-from delivery.job import JobContext
-from delivery.settle import SettleGroups
+from delivery.domain import ChainEnd
+from delivery.job import Job, ToSettle
+from delivery.settle import GROUP_RECORDS, Outcomes
 from delivery.step import OffLoop
 from delivery.workers import WAIT_STEP_SECONDS, Cut, Signals
-from delivery.writers.base import offers_async
 
 T = TypeVar("T")
 
 
-class AsyncJob(GroupedJob):
-    """A grouped job sending from one event loop, `context.workers` calls in flight."""
+class EventLoop:
+    """Tasks on one event loop send the batch, `context.workers` calls in flight."""
 
-    def __init__(self, context: JobContext, candidates: list[Candidate], phase: Phase) -> None:
-        super().__init__(context, candidates, phase)
-        assert offers_async(context.writer)  # chosen for such a writer only
-        #: Settled record by record (a writer with only async verbs on a `per_record` connection):
-        #: each outcome is committed before its task takes the next record.
-        self.settle_each = context.rule.target.settle is SettleMode.PER_RECORD
-        #: The loop's main task, once it runs: what an interruption of `run` cancels.
+    window_size = GROUP_RECORDS
+
+    def __init__(self) -> None:
+        #: The loop's main task, once it runs: what an interruption of `send` cancels.
         self._main: tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]] | None = None
         self._main_lock = threading.Lock()
 
-    def _deliver(self, signals: Signals, groups: SettleGroups[_Settle]) -> list[ChainEnd]:
+    def send(self, job: Job, signals: Signals, outcomes: Outcomes[ToSettle]) -> list[ChainEnd]:
         done: dict[str, Any] = {}
         # Waited on instead of `Thread.join`: an exception raised into a thread inside `join` can
         # leave the joined thread marked as stopped while it still runs (CPython's join releases
@@ -69,7 +66,7 @@ class AsyncJob(GroupedJob):
 
         def loop_thread() -> None:
             try:
-                done["cuts"] = asyncio.run(self._send_all(signals, groups))
+                done["cuts"] = asyncio.run(self._send_all(job, signals, outcomes))
             except BaseException as exc:  # handed to the calling thread, raised there
                 done["error"] = exc
             finally:
@@ -105,7 +102,7 @@ class AsyncJob(GroupedJob):
             with contextlib.suppress(RuntimeError):  # the loop has closed: it ran to its end already
                 loop.call_soon_threadsafe(task.cancel)
 
-    async def _send_all(self, signals: Signals, groups: SettleGroups[_Settle]) -> list[ChainEnd]:
+    async def _send_all(self, job: Job, signals: Signals, outcomes: Outcomes[ToSettle]) -> list[ChainEnd]:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
@@ -113,7 +110,7 @@ class AsyncJob(GroupedJob):
             self._main = (loop, task)
         if signals.over.is_set():
             return []  # interrupted before the loop ran: nothing is sent
-        context = self.context
+        context = job.context
         db = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="delivery-db")
         waits = concurrent.futures.ThreadPoolExecutor(max_workers=context.workers, thread_name_prefix="delivery-wait")
 
@@ -125,14 +122,14 @@ class AsyncJob(GroupedJob):
         def prepare(window: int) -> asyncio.Future[None] | None:
             """The window's intents being committed (started if they are not yet)."""
             if window not in windows:
-                if self.superseded or signals.stop.is_set() or window * self.window_size >= len(self.candidates):
+                if job.superseded or signals.stop.is_set() or window * job.window_size >= len(job.candidates):
                     return None
-                windows[window] = loop.run_in_executor(db, self._prepare_window_once, window)
+                windows[window] = loop.run_in_executor(db, job.prepare_window_once, window)
             return windows[window]
 
         cuts: list[ChainEnd] = []
         errors: list[BaseException] = []
-        pending = iter(range(len(self.candidates)))
+        pending = iter(range(len(job.candidates)))
         breaker = context.new_worker_breaker()  # one breaker for the tasks: pybreaker holds no lock across an await
 
         async def worker() -> None:
@@ -141,7 +138,7 @@ class AsyncJob(GroupedJob):
                     index = next(pending, None)
                     if index is None:
                         return
-                    result = await self._one_async(index, breaker, signals, groups, prepare, off_loop, db)
+                    result = await self._one(job, index, breaker, signals, outcomes, prepare, off_loop, db)
                     if isinstance(result, Cut):
                         cuts.append(result.why)
                         signals.stop.set()
@@ -154,7 +151,7 @@ class AsyncJob(GroupedJob):
         tasks: list[asyncio.Task[None]] = []
         try:
             await writer.aopen()
-            tasks = [asyncio.create_task(worker()) for _ in range(max(1, min(context.workers, len(self.candidates))))]
+            tasks = [asyncio.create_task(worker()) for _ in range(max(1, min(context.workers, len(job.candidates))))]
             await asyncio.gather(*tasks)
         finally:
             signals.stop.set()  # also ends any wait for the target's traffic on `waits`
@@ -172,44 +169,38 @@ class AsyncJob(GroupedJob):
             raise errors[0]
         return cuts
 
-    def _prepare_window_once(self, window: int) -> None:
-        with self.window_lock:
-            if window not in self.windows and not self.superseded:
-                self._prepare_window(window)
-
-    async def _one_async(
+    async def _one(
         self,
+        job: Job,
         index: int,
         breaker: TargetBreaker,
         signals: Signals,
-        groups: SettleGroups[_Settle],
+        outcomes: Outcomes[ToSettle],
         prepare: Callable[[int], asyncio.Future[None] | None],
         off_loop: OffLoop,
         db: concurrent.futures.Executor,
     ) -> Cut | None:
-        """`GroupedJob._one` on the loop: its window's intents committed first (the next window's
-        started meanwhile), then the send, then its outcome handed to the group being gathered."""
-        window = index // self.window_size
-        if window not in self.windows:
+        """`delivery.send_threads.send_one_in_window` on the loop: its window's intents committed
+        first (the next window's started meanwhile), then the send, then its outcome handed to the
+        settle."""
+        window = index // job.window_size
+        if window not in job.windows:
             preparing = prepare(window)
             if preparing is not None:
                 await preparing
         prepare(window + 1)  # under way while this window is sent
-        ready = self._ready_to_send(index, window, signals)
+        ready = job.ready_to_send(index, window, signals)
         if not isinstance(ready, tuple):
             return ready
         candidate, plan, intent = ready
-        bounds = self.context.bounds(signals.stop)
-        with self._unsent_on_rule_fault(index):
-            done = await self.context.step.carry_out_async(candidate, plan, intent, breaker, bounds, off_loop)
-        item = self._to_settle(index, done, signals)
-        if not isinstance(item, _Settle):
+        bounds = job.context.bounds(signals.stop)
+        with job.unsent_on_rule_fault(index):
+            done = await job.context.step.carry_out_async(candidate, plan, intent, breaker, bounds, off_loop)
+        item = job.to_settle(index, done, signals)
+        if not isinstance(item, ToSettle):
             return item
-        if not self.settle_each:
-            groups.add(item)  # holds the loop back while two groups wait: what a crash loses stays bounded
+        if not outcomes.each:
+            outcomes.add(item)  # holds the loop back while two groups wait: what a crash loses stays bounded
             return None
-        loop = asyncio.get_running_loop()
-        if not await loop.run_in_executor(db, self._commit_group, [item]):
-            self.superseded = True
-            return Cut(ChainEnd.SUPERSEDED)
-        return None
+        # Committed off the loop, before this task takes its next record.
+        return await asyncio.get_running_loop().run_in_executor(db, job.hand_over, item, outcomes)

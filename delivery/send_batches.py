@@ -1,7 +1,7 @@
-"""One job of a target whose writer offers batch verbs (`CreatesMany`, `UpdatesMany`), settled in
-groups: a `GroupedJob` whose unit of work is a window of records sent in one call per verb. A peer
-of `delivery.per_record.PerRecordJob` behind the `delivery.job.Job` protocol, given a `JobContext`;
-chosen where the writer offers batch verbs (`offers_batches`).
+"""The sender of batch calls (`BatchCalls`), for a writer offering batch verbs (`CreatesMany`,
+`UpdatesMany`, `DeletesMany`) on a connection settled in groups: its unit of work is a window of
+records sent in one call per verb. A `delivery.job.Sender`, chosen where the writer offers batch
+verbs (`delivery.senders.offers_batches`).
 
 A window is `max_items` candidates (at most the batch). Its worker checks, plans and commits its
 intents (as a grouped job does), then sends its creates in one `create_many` call and its updates in
@@ -21,13 +21,13 @@ from typing import Any, cast
 
 from delivery import attempts, decisions
 from delivery.breaker import TargetBreaker
-from delivery.domain import Candidate, ChainEnd, Outcome, Phase, Verb
+from delivery.domain import Candidate, ChainEnd, Outcome, Verb
 from delivery.errors import RuleFault, TargetUnavailable
-from delivery.grouped import GroupedJob, _Settle
-from delivery.job import JobContext
-from delivery.settle import SettleGroups
+from delivery.job import Job, ToSettle
+from delivery.send_threads import send_one_in_window
+from delivery.settle import Outcomes
 from delivery.step import NOT_SENT, Send, not_sent_end
-from delivery.workers import Cut, Signals
+from delivery.workers import Cut, Signals, work_through
 from delivery.writers.base import (
     BatchRefused,
     CreateItem,
@@ -40,39 +40,39 @@ from delivery.writers.base import (
 )
 
 
-def offers_batches(writer: Writer) -> bool:
-    return isinstance(writer, (CreatesMany, UpdatesMany, DeletesMany))
+class BatchCalls:
+    """Each worker sends the next window: its creates, updates and deletes in one call per verb."""
 
-
-class BulkJob(GroupedJob):
-    """A grouped job sending each window's creates and updates in one call per verb."""
-
-    def __init__(self, context: JobContext, candidates: list[Candidate], phase: Phase) -> None:
-        super().__init__(context, candidates, phase)
-        writer = context.writer
+    def __init__(self, writer: Writer) -> None:
         assert isinstance(writer, (CreatesMany, UpdatesMany, DeletesMany))  # `offers_batches`: chosen for it
         self.writer = writer
         self.window_size = max(1, writer.max_items)
 
-    def _units(self) -> int:
-        return -(-len(self.candidates) // self.window_size)  # windows, the last one short
+    def send(self, job: Job, signals: Signals, outcomes: Outcomes[ToSettle]) -> list[ChainEnd]:
+        def step(window: int, breaker: TargetBreaker, signals: Signals) -> Cut | None:
+            return self._window(job, window, breaker, signals, outcomes)
 
-    def _unit(self, unit: int, breaker: TargetBreaker, signals: Signals, groups: SettleGroups[_Settle]) -> Cut | None:
-        if unit not in self.windows:
-            with self.window_lock:
-                if unit not in self.windows and not self.superseded and not signals.stop.is_set():
-                    self._prepare_window(unit)
-        if self.superseded:
+        context = job.context
+        windows = -(-len(job.candidates) // self.window_size)  # the last one short
+        # Pooled even for one worker, as `delivery.send_threads.Threads` is (see there).
+        _, cuts = work_through(windows, context.workers, context.new_worker_breaker, step, signals, pooled=True)
+        return cuts
+
+    def _window(
+        self, job: Job, unit: int, breaker: TargetBreaker, signals: Signals, outcomes: Outcomes[ToSettle]
+    ) -> Cut | None:
+        job.prepare(unit, signals)
+        if job.superseded:
             return Cut(ChainEnd.SUPERSEDED)
-        if unit not in self.windows:
+        if unit not in job.windows:
             return None  # the batch was cut before this window was prepared
         creates: list[int] = []
         updates: list[int] = []
         deletes: list[int] = []
         alone: list[int] = []
-        for i in self.window(unit):
-            plan = self.plans[i]
-            if not isinstance(plan, Send) or self.intents.get(i) is None:
+        for i in job.window(unit):
+            plan = job.plans[i]
+            if not isinstance(plan, Send) or job.intents.get(i) is None:
                 alone.append(i)  # an outcome without writing, or a row a requeue took meanwhile
             elif plan.to_delete:
                 alone.append(i)  # its answer's id is kept for a delete, not delivered
@@ -86,52 +86,61 @@ class BulkJob(GroupedJob):
                 alone.append(i)
         for verb, indices in ((Verb.CREATE, creates), (Verb.UPDATE, updates), (Verb.DELETE, deletes)):
             if indices:
-                cut = self._send_many(verb, indices, breaker, signals, groups)
+                cut = self._send_many(job, verb, indices, breaker, signals, outcomes)
                 if cut is not None:
                     return cut
         for i in alone:
-            cut = self._one(i, breaker, signals, groups)
+            cut = send_one_in_window(job, i, breaker, signals, outcomes)
             if cut is not None:
                 return cut
         return None
 
     def _send_many(
-        self, verb: Verb, indices: list[int], breaker: TargetBreaker, signals: Signals, groups: SettleGroups[_Settle]
+        self,
+        job: Job,
+        verb: Verb,
+        indices: list[int],
+        breaker: TargetBreaker,
+        signals: Signals,
+        outcomes: Outcomes[ToSettle],
     ) -> Cut | None:
         """Send the records in one call (or in halves, see the module's docstring) and hand each
         one's outcome to the group being gathered. Records a cut left unsent keep no intent."""
         if signals.stop.is_set():
             return None  # the batch is cut short: no call starts after that
-        self.sent.update(indices)
+        job.sent.update(indices)
         got: dict[int, Any] = {}
         heard: dict[int, list[attempts.Exchange]] = {}
         cut: Cut | None = None
         try:
-            self._call(verb, indices, breaker, signals, got, heard)
+            self._call(job, verb, indices, breaker, signals, got, heard)
         except RuleFault:  # a refused token, the traffic control failing: raised before anything applied
-            self.sent.difference_update(i for i in indices if i not in got)
+            job.sent.difference_update(i for i in indices if i not in got)
             raise
         except NOT_SENT as held:
             end = not_sent_end(held)
             cut = None if end is None else Cut(end)
-        self.sent.difference_update(i for i in indices if i not in got)  # never sent: intents go back
-        step = self.context.step
+        job.sent.difference_update(i for i in indices if i not in got)  # never sent: intents go back
+        step = job.context.step
         for i in indices:
             if i not in got:
                 continue
-            plan = self.plans[i]
+            plan = job.plans[i]
             assert isinstance(plan, Send)
-            candidate, intent = self.candidates[i], self.intents[i]
+            candidate, intent = job.candidates[i], job.intents[i]
             outcome = step.item_outcome(candidate, plan, got[i], breaker)
             outcome = cast("Outcome", step.with_tried(outcome, step.attempts_of(heard.get(i, []), verb)))
             if signals.over.is_set():
                 return None  # the job has ended: nothing settles after it
             settled = candidate if intent is None else Candidate(candidate.record, intent)
-            groups.add(_Settle(i, settled, outcome))
+            handed = job.hand_over(ToSettle(i, settled, outcome), outcomes)
+            if handed is not None:
+                return handed
         return cut
 
     def _call(
         self,
+        job: Job,
         verb: Verb,
         indices: Sequence[int],
         breaker: TargetBreaker,
@@ -142,25 +151,25 @@ class BulkJob(GroupedJob):
         """One batch call for `indices`, its results put in `got` and its requests in `heard`; a
         call refused as a whole is split in halves, each sent again, down to one item (whose
         refusal is then its own fault)."""
-        step, rule = self.context.step, self.context.rule
+        step, rule = job.context.step, job.context.rule
         items: list[Any] = []
         for i in indices:
-            plan, row = self.plans[i], self.candidates[i].ledger
+            plan, row = job.plans[i], job.candidates[i].ledger
             assert isinstance(plan, Send)
             if verb is Verb.CREATE:
                 generation = row.create_generation if row else 0
                 key = decisions.idempotency_key(
-                    rule.name, self.candidates[i].record.external_id, generation, rule.key_epoch
+                    rule.name, job.candidates[i].record.external_id, generation, rule.key_epoch
                 )
-                items.append(CreateItem(plan.body, key, self.candidates[i].record))
+                items.append(CreateItem(plan.body, key, job.candidates[i].record))
             elif verb is Verb.UPDATE:
                 assert row is not None and row.remote_id is not None  # an update has a row holding the remote id
-                items.append(UpdateItem(row.remote_id, plan.body, self.candidates[i].record))
+                items.append(UpdateItem(row.remote_id, plan.body, job.candidates[i].record))
             else:
-                assert row is not None and row.remote_id is not None  # so has a delete (`_unit`)
-                items.append(DeleteItem(row.remote_id, self.candidates[i].record))
+                assert row is not None and row.remote_id is not None  # so has a delete (`_window`)
+                items.append(DeleteItem(row.remote_id, job.candidates[i].record))
         writer = self.writer
-        # Only records whose verb the writer offers in batches reach here (see `_unit`).
+        # Only records whose verb the writer offers in batches reach here (see `_window`).
         call: Callable[[Any], list[Any]] | None = None
         if isinstance(writer, CreatesMany) and verb is Verb.CREATE:
             call = writer.create_many
@@ -172,7 +181,7 @@ class BulkJob(GroupedJob):
         try:
             with attempts.listening() as exchanges:
                 try:
-                    results = step.call(breaker, self.context.bounds(signals.stop), call, items)
+                    results = step.call(breaker, job.context.bounds(signals.stop), call, items)
                 finally:
                     for i in indices:  # each item's history shows the call that carried it
                         heard.setdefault(i, []).extend(exchanges)
@@ -181,8 +190,8 @@ class BulkJob(GroupedJob):
                 got[indices[0]] = refused.as_record_fault()
                 return
             half = len(indices) // 2
-            self._call(verb, indices[:half], breaker, signals, got, heard)
-            self._call(verb, indices[half:], breaker, signals, got, heard)
+            self._call(job, verb, indices[:half], breaker, signals, got, heard)
+            self._call(job, verb, indices[half:], breaker, signals, got, heard)
             return
         except TargetUnavailable as fault:
             fault.whole_call = True
