@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from delivery.errors import DeliveryError, InputError
 from delivery.package_data import package_data
-from delivery.settings import Settings, env_name, settings
+from delivery.settings import DEFAULT_DATABASE_URL, env_name, settings
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 SCHEMA_HEAD = "0012"
 
 DATABASE_URL_ENV = env_name("database_url")
-DEFAULT_URL: str = Settings.model_fields["database_url"].default
+DEFAULT_URL = DEFAULT_DATABASE_URL
 
 #: The PostgreSQL advisory lock every process takes around migrations: b"delivery" read as a
 #: big-endian bigint, so it is the same key in every process and unlikely to be another

@@ -10,7 +10,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import sqlalchemy as sa
 
-from delivery import breaker
 from delivery.decisions import closed_connection, scan_start
 from delivery.domain import ChainEnd, Connection, LedgerStatus, Rule
 from delivery.store import catalog, chains, ledger, status, traffic
@@ -70,6 +69,10 @@ def _last_chain(conn: sa.Connection, rule: Rule) -> dict[str, Any] | None:
 
 
 def overview(conn: sa.Connection, now: datetime) -> list[dict[str, Any]]:
+    # Imported here, as in `connection_overview`: pybreaker brings redis, which `delivery run` and
+    # the other commands that import this module through `listings` never need (issue #33 point 6).
+    from delivery import breaker
+
     result = []
     rules = catalog.list_rules(conn)
     budgets = traffic.traffic_of(conn, {rule.target.id for rule in rules})
@@ -128,6 +131,8 @@ def traffic_text(target: Connection, row: traffic.TrafficRow | None, now: dateti
 def connection_overview(conn: sa.Connection, now: datetime) -> list[dict[str, Any]]:
     """Every connection with its status, and as a target its breaker and traffic
     (`delivery connection-status NAME`, `delivery connections`)."""
+    from delivery import breaker
+
     connections = catalog.list_connections(conn)
     budgets = traffic.traffic_of(conn, {c.id for c in connections})
     result = []

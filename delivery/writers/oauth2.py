@@ -19,6 +19,7 @@ as any outage, never parking a record).
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Generator, Mapping
@@ -26,9 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
-from authlib.integrations.base_client.errors import OAuthError
-from authlib.oauth2.auth import ClientAuth
-from authlib.oauth2.client import OAuth2Client
 
 from delivery.errors import TargetUnavailable, Unauthorized
 
@@ -62,22 +60,32 @@ class OAuth2Settings:
     source: str = "oauth2"
 
 
-class _FormClientAuth(httpx.Auth, ClientAuth):  # type: ignore[misc]
-    """Authlib's client authentication (the credentials in the form body) as an httpx auth."""
+@functools.cache
+def _authlib() -> tuple[Any, Any]:
+    """Authlib's OAuth2 client over httpx, and its error class. Imported when a token is first
+    fetched: Authlib is a tenth of a second, and every process that looks up a writer imports this
+    module, `delivery run` with nothing to do included (issue #33 point 6)."""
+    from authlib.integrations.base_client.errors import OAuthError
+    from authlib.oauth2.auth import ClientAuth
+    from authlib.oauth2.client import OAuth2Client
 
-    requires_request_body = True
+    class FormClientAuth(httpx.Auth, ClientAuth):  # type: ignore[misc]
+        """Authlib's client authentication (the credentials in the form body) as an httpx auth."""
 
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        url, headers, body = self.prepare(request.method, str(request.url), request.headers, request.content)
-        content = body.encode() if isinstance(body, str) else body
-        yield httpx.Request(
-            request.method, url, headers={**headers, "Content-Length": str(len(content))}, content=content
-        )
+        requires_request_body = True
 
+        def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+            url, headers, body = self.prepare(request.method, str(request.url), request.headers, request.content)
+            content = body.encode() if isinstance(body, str) else body
+            yield httpx.Request(
+                request.method, url, headers={**headers, "Content-Length": str(len(content))}, content=content
+            )
 
-class _Client(OAuth2Client):  # type: ignore[misc]
-    client_auth_class = _FormClientAuth
-    oauth_error_class = OAuthError
+    class Client(OAuth2Client):  # type: ignore[misc]
+        client_auth_class = FormClientAuth
+        oauth_error_class = OAuthError
+
+    return Client, OAuthError
 
 
 class _Token:
@@ -162,8 +170,9 @@ class TokenSource:
 
     def _fetch(self) -> str:
         settings = self.settings
+        client_class, oauth_error = _authlib()
         with httpx.Client(timeout=self.timeout, trust_env=False, transport=self.transport) as session:
-            client = _Client(
+            client = client_class(
                 session=session,
                 client_id=settings.client_id,
                 client_secret=settings.client_secret,
@@ -178,7 +187,7 @@ class TokenSource:
                     token = client.fetch_token(settings.token_url, grant_type="client_credentials")
                 else:
                     token = self._refresh(client)
-            except OAuthError as exc:
+            except oauth_error as exc:
                 raise self._refused(f"{exc.error}") from None
             except httpx.TimeoutException as exc:
                 # No request to the target went out: its outcome is known (not applied).
@@ -201,7 +210,7 @@ class TokenSource:
         self._token = _Token(access, token.get("expires_in"), self.clock)
         return access
 
-    def _refresh(self, client: _Client) -> Any:
+    def _refresh(self, client: Any) -> Any:
         """The refresh-token grant, with the token rotated in last (kept in the store) or else the
         configured one. A stored token the endpoint refuses (revoked, or from before the
         configured secret was changed) is forgotten, and the configured one tried once."""

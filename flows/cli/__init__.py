@@ -13,9 +13,7 @@ import sys
 from pathlib import Path
 from typing import get_args
 
-from delivery.db import DatabaseUnavailable
 from delivery.errors import InputError
-from delivery.settings import settings
 from delivery.storable import text_problem
 
 # The command modules register their commands on the apps when imported.
@@ -91,7 +89,16 @@ def one_line(text: str) -> str:
     return "".join(char if char.isprintable() else char.encode("unicode_escape").decode("ascii") for char in text)
 
 
+def _database_unavailable(exc: Exception) -> bool:
+    """Whether `exc` is `delivery.db.DatabaseUnavailable`. Only a command that imported
+    `delivery.db` can raise it, and importing it to ask would cost every other command SQLAlchemy."""
+    db = sys.modules.get("delivery.db")
+    return db is not None and isinstance(exc, db.DatabaseUnavailable)
+
+
 def main() -> None:
+    from delivery.settings import settings
+
     _prefect_defaults()
     try:
         _check_arguments(sys.argv[1:])
@@ -103,7 +110,9 @@ def main() -> None:
         for problem in problems:
             sys.stderr.write(f"error: {one_line(problem)}\n")
         sys.exit(2)
-    except DatabaseUnavailable as exc:
+    except Exception as exc:
+        if not _database_unavailable(exc):
+            raise
         # Not refused input: the same command works once the database takes connections.
         sys.stderr.write(f"error: {one_line(str(exc))}\n")
         sys.exit(1)

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from delivery import listings
-from delivery.db import upgrade
-from delivery.decisions import closed_connection
 from delivery.domain import ConnectionStatus, LedgerStatus
 from delivery.errors import InputError
-from delivery.status import auth_text, auth_view, masked_url
 from flows.cli.apps import app, db_app, mirror_app
 from flows.cli.output import (
     JsonFlag,
@@ -24,11 +20,14 @@ from flows.cli.output import (
     show,
 )
 
+if TYPE_CHECKING:
+    from delivery.listings import Retirement
+
 
 @db_app.command("upgrade")
 def db_upgrade() -> None:
     """Apply the Alembic migrations up to head (the default SQLite file is also migrated on first use)."""
-    from delivery.db import check_connection, create_engine
+    from delivery.db import check_connection, create_engine, upgrade
 
     engine = create_engine()
     check_connection(engine)
@@ -61,7 +60,7 @@ def apply(
         say("nothing to apply")
 
 
-def _retirement_text(retirement: listings.Retirement) -> str:
+def _retirement_text(retirement: Retirement) -> str:
     statuses = ", ".join(f"{count} {status}" for status, count in sorted(retirement.statuses.items()))
     rows = f"{retirement.rows} ledger row{'' if retirement.rows == 1 else 's'}"
     return f"rule {retirement.rule}: {rows}{f' ({statuses})' if statuses else ''}; {retirement.reason}"
@@ -109,6 +108,9 @@ def mirror_load(
 def list_connections(as_json: JsonFlag = False) -> None:
     """List connections with driver, status, base URL (a password masked), auth kind and where
     its secrets come from (never a value), and settle mode."""
+    from delivery import listings
+    from delivery.status import auth_text, auth_view, masked_url
+
     with read_only() as conn:
         items = listings.connections(conn)
     rows = [
@@ -167,6 +169,8 @@ def connection_status(
             raise InputError("--resume: give it alone, without a status")
         _resume(name)
         return
+    from delivery import listings
+
     if status is not None:
         with engine().begin() as conn:
             listings.set_connection_status(conn, name, status)
@@ -188,6 +192,7 @@ def connection_status(
 def _resume(name: str) -> None:
     import os
 
+    from delivery import listings
     from delivery.clock import utcnow
 
     with engine().begin() as conn:
@@ -208,6 +213,9 @@ def _resume(name: str) -> None:
 @app.command("rules")
 def list_rules(as_json: JsonFlag = False) -> None:
     """List rules: route, policy, cursor and ledger counts per status."""
+    from delivery import listings
+    from delivery.decisions import closed_connection
+
     with read_only() as conn:
         items = listings.rules_with_counts(conn)
     rows: list[dict[str, Any]] = [

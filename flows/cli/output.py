@@ -1,30 +1,38 @@
 """What every command prints with: lines that never break, tables that fit 80 columns, JSON for
-scripts; and the database the commands read and write."""
+scripts; and the database the commands read and write.
+
+Rich and SQLAlchemy are imported where they are first used, not here: every command module
+imports this one, and `delivery --help` or a `--json` answer needs neither (issue #33 point 6)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import textwrap
 from datetime import datetime
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import sqlalchemy as sa
 import typer
-from rich.console import Console
-from rich.measure import Measurement
-from rich.table import Table
-from rich.text import Text
 
-from delivery.db import shared_engine
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+    from rich.console import Console
 
-out = Console()
+
+@functools.cache
+def console() -> Console:
+    """The console every command prints to, made on first use. It writes to `sys.stdout` as it is
+    at each print, so a test's captured output receives it."""
+    from rich.console import Console
+
+    return Console()
 
 
 def say(text: str, *, markup: bool = False) -> None:
     """One line for a person, never broken by Rich at the console's width: piped into a script
     or a file (where Rich assumes 80 columns) a line stays one line."""
-    out.print(text, soft_wrap=True, markup=markup, highlight=False)
+    console().print(text, soft_wrap=True, markup=markup, highlight=False)
 
 
 def json_cursor_text(cursor: dict[str, Any] | None) -> str:
@@ -37,6 +45,8 @@ JsonFlag = Annotated[bool, typer.Option("--json", metavar="", help="Print JSON f
 
 
 def engine() -> sa.Engine:
+    from delivery.db import shared_engine
+
     return shared_engine()
 
 
@@ -61,6 +71,11 @@ def show(rows: list[dict[str, str]], columns: list[str] | None = None, *, empty:
     if not rows:
         say(empty)  # a blank answer reads as a command that did nothing
         return
+    from rich.measure import Measurement
+    from rich.table import Table
+    from rich.text import Text
+
+    out = console()
     columns = columns or list(rows[0])
     table = Table(*columns)
     for row in rows:

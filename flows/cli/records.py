@@ -6,22 +6,25 @@ from datetime import datetime
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from delivery import listings
 from delivery.domain import LedgerStatus
 from delivery.errors import InputError
 from flows.cli.apps import app
 from flows.cli.output import (
     JsonFlag,
+    console,
     engine,
     iso,
-    out,
     print_json,
     read_only,
     say,
     show,
 )
+
+#: As `delivery.listings.DEFAULT_ATTEMPTS` and `MAX_ATTEMPTS`: repeated here so that importing the
+#: `delivery` command does not import the store and SQLAlchemy (a test keeps them equal).
+DEFAULT_ATTEMPTS = 50
+MAX_ATTEMPTS = 10_000
 
 
 @app.command("ledger")
@@ -34,6 +37,8 @@ def show_ledger(
     as_json: JsonFlag = False,
 ) -> None:
     """Ledger rows: one per (rule, record), with status, remote id, attempts, next attempt and last error."""
+    from delivery import listings
+
     with read_only() as conn:
         rows = listings.ledger_rows(conn, rule, status, limit)
     if as_json:
@@ -66,14 +71,16 @@ def show_attempts(
     record_id: Annotated[str, typer.Argument(help="The record's id in the source (its external id).")],
     limit: Annotated[
         int,
-        typer.Option("--limit", min=1, max=listings.MAX_ATTEMPTS, help="At most this many requests, newest first."),
-    ] = listings.DEFAULT_ATTEMPTS,
+        typer.Option("--limit", min=1, max=MAX_ATTEMPTS, help="At most this many requests, newest first."),
+    ] = DEFAULT_ATTEMPTS,
     as_json: JsonFlag = False,
 ) -> None:
     """A record's history under RULE: every request its chains made, newest first, with the chain
     run, verb, method and path, status code or transport error, duration, the start of the answer
     (secrets masked) and the outcome it led to. Kept DELIVERY_ATTEMPTS_KEEP_DAYS days (14).
     Exit 2 for an unknown rule or a record the rule's source has not mirrored."""
+    from delivery import listings
+
     with read_only() as conn:
         history = listings.record_history(conn, rule, record_id, limit)
     tried = history["attempts"]
@@ -202,12 +209,14 @@ def requeue_command(
             }
         )
         return
+    from rich.table import Table
+
     table = Table("external_id", "was", "remote_id", "attempts", "last_error")
     for r in rows:
         table.add_row(
             r["external_id"], r["status"], r["remote_id"] or "-", str(r["attempts"]), (r["last_error"] or "")[:100]
         )
-    out.print(table)
+    console().print(table)
     verb = "would requeue" if dry_run else "requeued"
     say(f"{verb} {len(rows)} record(s) of {rule}" + ("" if dry_run else f" (recorded as requested by {who})"))
 

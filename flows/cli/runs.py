@@ -5,18 +5,14 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from rich.markup import escape
-from rich.table import Table
 
-from delivery import listings
 from delivery.domain import LedgerStatus, Rule
-from delivery.settings import dead_chain_minutes
 from flows.cli.apps import app
 from flows.cli.output import (
     JsonFlag,
+    console,
     engine,
     json_cursor_text,
-    out,
     print_json,
     read_only,
     say,
@@ -69,6 +65,7 @@ def run(
 
     Exit 0 when the chain is Completed (caught up, route closed, breaker open, superseded, nothing to do),
     1 when it Failed (a rule fault) or was Cancelled (Ctrl-C, SIGTERM), 2 for an unknown rule."""
+    from delivery import listings
     from delivery.clock import utcnow
     from delivery.tick import needs_chain
 
@@ -84,26 +81,35 @@ def run(
         result = run_now(rule)
     if as_json:
         print_json(result)
-    elif result["flow_run_id"] is None:
+    else:
+        _say_run(rule, result)
+    raise typer.Exit(0 if result["state"] == "COMPLETED" else 1)
+
+
+def _say_run(rule: str, result: dict[str, Any]) -> None:
+    """A `delivery run` for a person: its state and ending, and a chain's counts and cursor."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    if result["flow_run_id"] is None:
         say(
             f"[green]COMPLETED[/green] {escape(rule)}: {NOTHING_TO_DO} - {NOTHING_TO_DO_MESSAGE}; "
             f"no flow run (--always runs one), cursor {json_cursor_text(result['cursor_after'])}",
             markup=True,
         )
-    else:
-        colour = "green" if result["state"] == "COMPLETED" else "red"
-        say(
-            f"[{colour}]{result['state']}[/{colour}] {escape(rule)}: {result['ended_by']} - "
-            + escape(result["message"] or "caught up"),
-            markup=True,
-        )
-        table = Table("outcome", "drained", "scanned")
-        for s in LedgerStatus:
-            table.add_row(s.value, str(result["drained"].get(s.value, 0)), str(result["scanned"].get(s.value, 0)))
-        out.print(table)
-        say(f"cursor: {json_cursor_text(result['cursor_before'])} -> {json_cursor_text(result['cursor_after'])}")
-        say(f"flow run: {result['flow_run_id']}")
-    raise typer.Exit(0 if result["state"] == "COMPLETED" else 1)
+        return
+    colour = "green" if result["state"] == "COMPLETED" else "red"
+    say(
+        f"[{colour}]{result['state']}[/{colour}] {escape(rule)}: {result['ended_by']} - "
+        + escape(result["message"] or "caught up"),
+        markup=True,
+    )
+    table = Table("outcome", "drained", "scanned")
+    for s in LedgerStatus:
+        table.add_row(s.value, str(result["drained"].get(s.value, 0)), str(result["scanned"].get(s.value, 0)))
+    console().print(table)
+    say(f"cursor: {json_cursor_text(result['cursor_before'])} -> {json_cursor_text(result['cursor_after'])}")
+    say(f"flow run: {result['flow_run_id']}")
 
 
 @app.command("tick")
@@ -124,6 +130,7 @@ def tick_command(
     `--json` prints the tick's state and message and, per rule, what it did: started (with the chain's
     flow run), left alone (alive), idle (nothing to do: no chain, no flow run), or skipped (disabled),
     and the dead chains it replaced."""
+    from delivery.settings import dead_chain_minutes
     from flows.tick import run_tick
 
     if dead_after_minutes is not None:

@@ -9,11 +9,10 @@ from typing import Annotated
 import typer
 
 from delivery.errors import InputError
-from delivery.settings import secret
 from flows.cli.apps import alerts_app, app
 from flows.cli.output import (
     JsonFlag,
-    out,
+    console,
     print_json,
     say,
 )
@@ -102,6 +101,7 @@ def sandbox_command(
     seed: Annotated[int | None, typer.Option("--seed", help="Make the fault sequence repeatable.")] = None,
 ) -> None:
     """A small but real REST target for trying the engine: POST creates, PATCH updates, GET shows what arrived."""
+    from delivery.settings import secret
     from playground.sandbox import SandboxSettings, serve
 
     token = None
@@ -177,4 +177,4 @@ def demo_command(
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     from playground.demo import run_demo
 
-    run_demo(workdir.resolve(), records, out)
+    run_demo(workdir.resolve(), records, console())

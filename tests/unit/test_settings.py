@@ -3,18 +3,35 @@ that it is read when asked (a test's monkeypatch.setenv is seen by the next call
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from unittest import mock
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from delivery import db, liveness
 from delivery.domain import Connection, ConnectionStatus
 from delivery.errors import InputError
-from delivery.settings import Settings, SettingsError, dead_chain_minutes, env_name, secret, settings
+from delivery.settings import (
+    PLAIN_DATABASE_URL,
+    PLAIN_NUMBER,
+    Settings,
+    SettingsError,
+    checked_settings,
+    database_url_problem,
+    dead_chain_minutes,
+    env_name,
+    parsed_database_url_problem,
+    plain_settings,
+    secret,
+    settings,
+)
 from delivery.writers.base import token_for
 
 VARIABLES = {
@@ -37,7 +54,7 @@ def clean(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 
 def test_every_variable_has_its_name_of_today() -> None:
-    assert {field: env_name(field) for field in Settings.model_fields} == VARIABLES
+    assert {field.name: env_name(field.name) for field in dataclasses.fields(Settings)} == VARIABLES
 
 
 def test_defaults(clean: pytest.MonkeyPatch) -> None:
@@ -59,7 +76,7 @@ def test_each_number_is_read_from_its_variable_at_call_time(clean: pytest.Monkey
     clean.setenv(VARIABLES[field], "7")
     assert getattr(settings(), field) == 7.0  # no cache: the next call sees the change
     clean.setenv(VARIABLES[field], "")
-    assert getattr(settings(), field) == Settings.model_fields[field].default  # empty means unset, as before
+    assert getattr(settings(), field) == getattr(Settings(), field)  # empty means unset, as before
 
 
 def test_the_database_url_is_read_and_given_the_psycopg_driver(clean: pytest.MonkeyPatch) -> None:
@@ -142,6 +159,77 @@ def test_a_database_url_the_engine_cannot_run_on_is_refused_without_repeating_it
 def test_the_database_urls_the_engine_runs_on_are_taken(clean: pytest.MonkeyPatch, url: str) -> None:
     clean.setenv("DELIVERY_DATABASE_URL", url)
     assert settings().database_url == url
+
+
+#: Values of a number variable: the plain forms and their near misses (a sign, an exponent, spaces,
+#: an underscore, NaN, a bound's neighbours, too many digits), which pydantic reads or refuses.
+NUMBER_TEXTS = st.one_of(
+    st.from_regex(PLAIN_NUMBER, fullmatch=True),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.integers(-10, 10**7).map(str),
+    st.sampled_from(
+        ["", " 15", "15 ", "1_000", "+5", "-0", "0.0", "1e3", "0x10", "nan", "inf", "1.", ".5", "\uff11\uff15"]
+    ),
+    st.sampled_from(["0", "1", "3600", "3601", "3650", "10080", "10081", "86400", "86401", "0.999999999"]),
+    st.text(max_size=12),
+)
+URL_TEXTS = st.one_of(
+    st.from_regex(PLAIN_DATABASE_URL, fullmatch=True),
+    st.sampled_from(["", "sqlite://", "sqlite:///:memory:", "postgresql://u@h:port/d", "mysql://u@h/d"]),
+    st.text(max_size=30),
+)
+
+
+@given(
+    values=st.fixed_dictionaries(
+        {},
+        optional={
+            variable: URL_TEXTS if field == "database_url" else NUMBER_TEXTS for field, variable in VARIABLES.items()
+        },
+    )
+)
+def test_the_plain_reading_gives_what_pydantic_gives_or_leaves_it_to_pydantic(values: dict[str, str]) -> None:
+    """`settings()` reads values of the plain forms without pydantic (issue #33 point 6): whatever it
+    reads so, pydantic-settings reads the same way."""
+    environ = {key: value for key, value in os.environ.items() if key not in VARIABLES.values()}
+    plain = plain_settings({**environ, **values})
+    if plain is None:
+        return
+    with mock.patch.dict(os.environ, {**environ, **values}, clear=True):
+        assert checked_settings() == plain
+
+
+def test_the_plain_reading_takes_the_usual_values_and_leaves_the_rest() -> None:
+    """What the plain reading takes and what it leaves to pydantic: the property above holds
+    vacuously if it takes nothing."""
+    usual = {"DELIVERY_DATABASE_URL": "sqlite:///x.db", "DELIVERY_DEAD_CHAIN_MINUTES": "30"}
+    assert plain_settings(usual) == Settings(database_url="sqlite:///x.db", dead_chain_minutes=30.0)
+    for value in ("0", "1e3", "nan", "10081", " 30"):
+        assert plain_settings({"DELIVERY_DEAD_CHAIN_MINUTES": value}) is None, value
+    assert plain_settings({"DELIVERY_DATABASE_URL": "sqlite:///:memory:"}) is None
+
+
+@given(url=st.from_regex(PLAIN_DATABASE_URL, fullmatch=True))
+def test_every_url_taken_without_sqlalchemy_is_one_sqlalchemy_takes(url: str) -> None:
+    """The URLs of the plain forms pass the check without SQLAlchemy's parser (issue #33 point 6: it
+    is a third of `delivery --help`); the parser must take each of them as well."""
+    assert database_url_problem(url) is None
+    assert parsed_database_url_problem(url) is None
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite:///delivery.db",
+        "sqlite:////var/lib/delivery/delivery.db",
+        "sqlite:///demo-run/delivery.db",
+        "postgresql://delivery@localhost/delivery",
+        "postgresql+psycopg://delivery:s3cret@db.example.com:5432/delivery",
+        "postgres://u@h/d",
+    ],
+)
+def test_the_common_urls_are_taken_without_sqlalchemy(url: str) -> None:
+    assert PLAIN_DATABASE_URL.fullmatch(url)
 
 
 @pytest.mark.parametrize(
