@@ -170,6 +170,7 @@ class WarmWorker:
         self._lock = threading.Lock()
         self._threads: list[_ChainThread] = []
         self._flow_names: dict[UUID, str | None] = {}
+        self._left_alone: set[str] = set()
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.ran = 0
@@ -237,9 +238,13 @@ class WarmWorker:
             if self.busy >= self.limit:
                 break
             run = response.flow_run
-            flow = self.flows.get(await self._flow_name(client, run.flow_id) or "")
-            if flow is None:
-                continue  # not ours: left for a process worker on the pool
+            name = await self._flow_name(client, run.flow_id) or ""
+            flow = self.flows.get(name)
+            if flow is None:  # not ours: left for a process worker on the pool, said once per flow
+                if name not in self._left_alone:
+                    self._left_alone.add(name)
+                    self._tell(f"runs of flow {name!r} are not this worker's: left for a process worker on the pool")
+                continue
             try:
                 answer = await client.set_flow_run_state(run.id, Pending(), force=False)
                 if answer.status != SetStateStatus.ACCEPT:

@@ -65,9 +65,10 @@ def _run(flow_id: UUID, minutes: int) -> Any:
     )
 
 
-def _worker(limit: int) -> tuple[WarmWorker, list[Any]]:
+def _worker(limit: int, said: list[str] | None = None) -> tuple[WarmWorker, list[Any]]:
     ours = object()
-    worker = WarmWorker(limit=limit, say=lambda _: None, flows={"deliver-rule": ours})  # type: ignore[dict-item]
+    say = (lambda _: None) if said is None else said.append
+    worker = WarmWorker(limit=limit, say=say, flows={"deliver-rule": ours})  # type: ignore[dict-item]
     started: list[Any] = []
     worker._start = lambda flow, run: (started.append(run), worker._in_flight.__setitem__(run.id, run))  # type: ignore[method-assign,func-returns-value]
     return worker, started
@@ -79,11 +80,19 @@ def test_only_our_flows_oldest_first_and_only_what_the_server_accepts() -> None:
     client = FakeClient(
         [late, foreign, refused, early], {chain: "deliver-rule", other: "someone-elses-flow"}, {refused.id}
     )
-    worker, started = _worker(limit=8)
+    said: list[str] = []
+    worker, started = _worker(limit=8, said=said)
     asyncio.run(worker._claim(client))
     assert started == [early, late]
     assert client.proposed == [early.id, refused.id, late.id]  # the foreign run is never touched
     assert sorted(client.flows_read) == sorted({chain, other})  # each flow's name read once
+    # Said once, plainly, however often the foreign run is seen again.
+    asyncio.run(worker._claim(client))
+    foreign_lines = [line for line in said if "someone-elses-flow" in line]
+    assert foreign_lines == [
+        f"worker {worker.name}: runs of flow 'someone-elses-flow' are not this worker's: "
+        "left for a process worker on the pool"
+    ]
 
 
 def test_never_more_than_the_limit_in_flight() -> None:
