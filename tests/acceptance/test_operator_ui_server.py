@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ from flows.traffic_events import PAUSED, RESUMED
 from tests.integration.runs import run_artifacts, run_logs, run_state
 from tests.integration.world import RULE, World
 from tests.prefect_server import prefect_server
+from tests.support.alerts import Receiver
 from tests.support.databases import unique
 from tests.target_server import Answer, TargetServer
 
@@ -156,31 +155,9 @@ def test_a_target_pause_shows_as_events_logs_and_a_rate_limited_run_on_a_real_se
 # -- alerts ---------------------------------------------------------------------------------------
 
 
-class _Receiver:
-    """A webhook that records what Prefect's notification actions post to it."""
-
-    def __init__(self) -> None:
-        self.posts: list[dict[str, Any]] = []
-        received = self.posts
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                received.append(json.loads(body or b"{}"))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
-
-
 @pytest.fixture
-def receiver() -> Iterator[_Receiver]:
-    made = _Receiver()
+def receiver() -> Iterator[Receiver]:
+    made = Receiver()
     yield made
     made.httpd.shutdown()
 
@@ -206,7 +183,7 @@ def _install(*args: str) -> list[dict[str, Any]]:
 
 
 def test_alerts_install_twice_leaves_one_automation_per_file_and_the_breaker_alert_notifies(
-    api: str, receiver: _Receiver, engine: sa.Engine, target: TargetServer
+    api: str, receiver: Receiver, engine: sa.Engine, target: TargetServer
 ) -> None:
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
 
