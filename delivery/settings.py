@@ -105,6 +105,12 @@ def _bounded(bounds: Bounds, default: Any = ...) -> Any:
     return Field(default, gt=bounds.above, ge=bounds.at_least, le=bounds.at_most, allow_inf_nan=False)
 
 
+def settings_model() -> type[BaseSettings]:
+    """The pydantic-settings model behind `Settings`: each variable's type, default and bounds, as
+    the configuration reference (tools/docs_reference.py) lists them."""
+    return _model()
+
+
 @functools.cache
 def _model() -> type[BaseSettings]:
     """The pydantic-settings model that reads and checks the variables, made on first use: pydantic

@@ -30,7 +30,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from delivery import config
-from delivery.settings import Settings, env_name
+from delivery.settings import env_name, settings_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_PAGE = ROOT / "docs" / "reference" / "configuration.md"
@@ -174,19 +174,28 @@ CONFIG_MODELS: tuple[tuple[type[BaseModel], str, str], ...] = (
 )
 
 
+#: The environment's settings, under the name their descriptions use (`Settings.FIELD`): the
+#: pydantic-settings model `delivery.settings` reads a value that is not of a plain form with.
+SETTINGS: type[BaseModel] = settings_model()
+
+
+def _name(model: type[BaseModel]) -> str:
+    return "Settings" if model is SETTINGS else model.__name__
+
+
 def description(model: type[BaseModel], field: str) -> str:
-    return DESCRIPTIONS.get(f"{model.__name__}.{field}", "")
+    return DESCRIPTIONS.get(f"{_name(model)}.{field}", "")
 
 
 def missing_descriptions() -> list[str]:
     """Keys of the models without words in `DESCRIPTIONS`."""
-    models = [model for model, _, _ in CONFIG_MODELS] + [Settings]
-    return [f"{m.__name__}.{f}" for m in models for f in m.model_fields if not description(m, f)]
+    models = [model for model, _, _ in CONFIG_MODELS] + [SETTINGS]
+    return [f"{_name(m)}.{f}" for m in models for f in m.model_fields if not description(m, f)]
 
 
 def stale_descriptions() -> list[str]:
     """Words in `DESCRIPTIONS` for a key no model has any more."""
-    models = {model.__name__: model for model, _, _ in CONFIG_MODELS} | {"Settings": Settings}
+    models = {model.__name__: model for model, _, _ in CONFIG_MODELS} | {"Settings": SETTINGS}
     stale = []
     for key in DESCRIPTIONS:
         name, _, field = key.partition(".")
@@ -320,9 +329,9 @@ def configuration_page() -> str:
         "| variable | type | default | bounds | what it does |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for name, info in Settings.model_fields.items():
+    for name, info in SETTINGS.model_fields.items():
         row = [f"`{env_name(name)}`", _type(info.annotation), _default(info), _field_bounds(info)]
-        lines.append("| " + " | ".join(_cell(c) for c in [*row, description(Settings, name)]) + " |")
+        lines.append("| " + " | ".join(_cell(c) for c in [*row, description(SETTINGS, name)]) + " |")
     return "\n".join(lines) + "\n"
 
 
