@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -25,18 +25,9 @@ from flows.traffic_events import PAUSED, RESUMED
 from tests.integration.runs import run_artifacts, run_logs, run_state
 from tests.integration.world import RULE, World
 from tests.prefect_server import prefect_server
-from tests.support.alerts import Receiver
+from tests.support.alerts import Receiver, wait_for
 from tests.support.databases import unique
 from tests.target_server import Answer, TargetServer
-
-
-def _wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(poll)
-    return value
 
 
 def _fresh_workers() -> None:
@@ -120,7 +111,7 @@ def test_states_records_logs_and_one_breaker_event_on_a_real_server(world: World
     assert "delivery requeue contacts-to-crm --status failed --since " in records
     assert world.run()["ended_by"] == "breaker_open"  # still open: nothing more emitted
 
-    stored = _wait_for(lambda: _events(OPENED, "delivery.connection.crm", started), 20, "the breaker event")
+    stored = wait_for(lambda: _events(OPENED, "delivery.connection.crm", started), 20, "the breaker event")
     time.sleep(1.5)  # a second event would have been flushed by now
     stored = _events(OPENED, "delivery.connection.crm", started)
     assert len(stored) == 1
@@ -143,7 +134,7 @@ def test_a_target_pause_shows_as_events_logs_and_a_rate_limited_run_on_a_real_se
         def stored(name: str = name) -> list[Any]:
             return _events(name, "delivery.connection.crm", started)
 
-        assert _wait_for(stored, 20, name)[0].payload["rule"] == RULE
+        assert wait_for(stored, 20, name)[0].payload["rule"] == RULE
 
     world.load("b")
     world.target.program(world.key("b"), Answer.status(503, headers={"Retry-After": "3000"}))
@@ -230,7 +221,7 @@ def test_alerts_install_twice_leaves_one_automation_per_file_and_the_breaker_ale
     target.down = True
     time.sleep(2)  # the triggers service picks up the automations it was told of
     assert world.run()["ended_by"] == "breaker_open"
-    posts = _wait_for(
+    posts = wait_for(
         lambda: [p for p in receiver.posts if "breaker opened: target crm" in p.get("subject", "")],
         45,
         "the breaker-opened notification",
