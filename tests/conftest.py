@@ -189,9 +189,13 @@ def prefect_api(_prefect_harness: None) -> None:
                 client.delete_global_concurrency_limit_by_name(name)
 
 
+#: The bearer token the shared target accepts and `CRM_TOKEN` holds.
+TARGET_TOKEN = "s3cr3t-token-value"
+
+
 @pytest.fixture(scope="session")
 def _target_session() -> Iterator[TargetServer]:
-    server = TargetServer(token="s3cr3t-token-value").start()
+    server = TargetServer(token=TARGET_TOKEN).start()
     yield server
     server.stop()
 
@@ -200,7 +204,10 @@ def _target_session() -> Iterator[TargetServer]:
 def target(_target_session: TargetServer, monkeypatch: pytest.MonkeyPatch) -> TargetServer:
     """The real local HTTP target, emptied for this test; CRM_TOKEN holds its bearer token."""
     _target_session.reset()
-    monkeypatch.setenv("CRM_TOKEN", "s3cr3t-token-value")
+    # The server is shared by every test of a worker: a test that changed the token it accepts
+    # and did not put it back must not make another test's wrong token pass.
+    _target_session.token = TARGET_TOKEN
+    monkeypatch.setenv("CRM_TOKEN", TARGET_TOKEN)
     return _target_session
 
 

@@ -133,11 +133,11 @@ def test_a_fault_met_in_a_batch_makes_one_failed_run_and_no_traceback(
     type Completed), and no log of the chain, its subflows or its batch holds a traceback."""
     world.load("a")
     monkeypatch.setenv("CRM_TOKEN", "a-token-the-target-refuses-0123456789")
-    world.target.token = "s3cr3t-token-value"
+    original, world.target.token = world.target.token, "s3cr3t-token-value"
     try:
         result = world.run()
     finally:
-        world.target.token = None
+        world.target.token = original
     run_id = result["flow_run_id"]
     assert run_state(run_id) == ("FAILED", "Failed") and result["message"].startswith("Unauthorized:")
     assert "fault:Unauthorized" in run_tags(run_id)
