@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import select
 import socket
 import threading
 import time
@@ -47,7 +48,7 @@ BATCH_SEGMENT = "batch"
 #: calls are recorded, and scripted (`program_batch(method="DELETE")`), as method DELETE.
 BATCH_DELETE_SEGMENT = "batch-delete"
 
-AnswerKind = Literal["status", "timeout", "no_id", "not_json", "drop", "echo_headers", "bad_gzip", "raw"]
+AnswerKind = Literal["status", "timeout", "given_up", "no_id", "not_json", "drop", "echo_headers", "bad_gzip", "raw"]
 
 #: What a ``bad_gzip`` answer sends under ``Content-Encoding: gzip``: not gzip at all.
 NOT_GZIP = b"this body claims to be gzip but is not"
@@ -87,6 +88,17 @@ class Answer:
         server committed), which idempotency handling must survive.
         """
         return cls(kind="timeout", seconds=seconds)
+
+    @classmethod
+    def given_up(cls, bound_seconds: float = 30.0) -> Answer:
+        """Stall until the client gives up (closes its connection: its timeout struck), then
+        process the request normally, as a target that commits after the client's timeout.
+
+        Unlike `timeout`, the client's own timeout decides when the stall ends, never a guessed
+        length: a client whose loop or thread was starved past its deadline on a loaded machine
+        still never receives the answer. `bound_seconds` ends a stall the client never gives up.
+        """
+        return cls(kind="given_up", seconds=bound_seconds)
 
     @classmethod
     def raw(cls, code: int, body: bytes, content_type: str = "application/json") -> Answer:
@@ -199,6 +211,10 @@ class _HTTPServer(ThreadingHTTPServer):
         """Stay quiet: clients hanging up mid-answer is expected in these tests, not a failure."""
 
 
+#: The socket of the request the current handler thread is answering (`Answer.given_up` watches it).
+_answering_socket = threading.local()
+
+
 class _Handler(BaseHTTPRequestHandler):
     """Routes every method through one function so the cross-cutting rules apply uniformly."""
 
@@ -233,6 +249,7 @@ class _Handler(BaseHTTPRequestHandler):
             # The body is always consumed first so the keep-alive stream stays
             # in sync no matter which answer (401, 503, scripted) follows.
             raw = self._read_body()
+            _answering_socket.value = self.connection
             with self.server.target.handling():
                 reply = self.server.target._dispatch(self.command, self.path, self.headers, raw)
         except _Drop:
@@ -525,8 +542,8 @@ class TargetServer:
                 scripted = self._scripted(whole, method, header_dict)
                 assert scripted is not None
                 return scripted
-            if whole.kind == "timeout":
-                self._sleep(whole.seconds)
+            if whole.kind in ("timeout", "given_up"):
+                self._stall(whole)
         if body_error:
             return _Reply.of_json(400, {"error": "invalid json"})
         if not isinstance(items, list):
@@ -563,8 +580,8 @@ class TargetServer:
                 if retry_after is not None:
                     payload["retry_after"] = retry_after
                 return json.dumps({**payload, "status": answer.code}).encode("utf-8")
-            if answer.kind == "timeout":
-                self._sleep(answer.seconds)  # the whole call stalls, then the item is handled
+            if answer.kind in ("timeout", "given_up"):
+                self._stall(answer)  # the whole call stalls, then the item is handled
             elif answer.kind == "no_id":
                 return json.dumps({"status": success}).encode("utf-8")
             elif answer.kind == "not_json":
@@ -635,6 +652,21 @@ class TargetServer:
             if self._stopping.is_set():
                 raise _Drop
 
+    def _stall(self, answer: Answer) -> None:
+        if answer.kind == "timeout":
+            self._sleep(answer.seconds)
+            return
+        connection: socket.socket = _answering_socket.value
+        deadline = time.monotonic() + answer.seconds
+        while time.monotonic() < deadline:
+            if self._stopping.is_set():
+                raise _Drop
+            readable, _, _ = select.select([connection], [], [], 0.05)
+            if readable:
+                # The end of the stream (or a reset): the client closed the connection. A
+                # pipelined request would read the same, and no client of these tests sends one.
+                return
+
     def _sleep(self, seconds: float) -> None:
         """Interruptible by :meth:`stop`, so a stalled answer never outlives its test."""
         if self._stopping.wait(seconds):
@@ -646,8 +678,8 @@ class TargetServer:
         if answer.kind == "status":
             assert answer.code is not None
             return _Reply.of_json(answer.code, answer.body, answer.headers)
-        if answer.kind == "timeout":
-            self._sleep(answer.seconds)
+        if answer.kind in ("timeout", "given_up"):
+            self._stall(answer)
             return None
         if answer.kind == "no_id":
             return _Reply.of_json(success, {"status": "created"})

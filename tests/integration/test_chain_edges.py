@@ -241,7 +241,7 @@ def test_a_crash_between_the_answer_and_the_settle_then_a_change_ends_with_the_l
 def test_a_timeout_after_the_target_took_the_create_then_a_change_ends_with_the_latest_body(world: World) -> None:
     world.load("c-1", name="First")
     # The target takes the create, but answers after the client (0.5 s) has given up.
-    world.target.program(world.key("c-1"), Answer.timeout(1.0))
+    world.target.program(world.key("c-1"), Answer.given_up())
     world.set_timeout()
     assert world.run()["scanned"]["failed"] == 1
     world.set_timeout(REQUEST_TIMEOUT_SECONDS)
@@ -261,7 +261,7 @@ def test_a_requeued_exhausted_create_ends_with_the_latest_body(world: World) -> 
     world.load("c-1", name="First")
     # A create timed out (the target applies it late), then its retry is refused: parked. (A
     # timeout alone never parks it: it may be an outage, ADR-0039.)
-    world.target.program(world.key("c-1"), Answer.timeout(1.0), Answer.status(422))
+    world.target.program(world.key("c-1"), Answer.given_up(), Answer.status(422))
     world.set_timeout()
     assert world.run()["scanned"]["failed"] == 1
     world.set_timeout(REQUEST_TIMEOUT_SECONDS)

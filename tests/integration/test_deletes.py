@@ -119,7 +119,7 @@ def test_a_delete_timed_out_is_sent_again_and_a_refused_one_is_the_records_fault
     w.run()
     rows = w.ledger()
     w.set_timeout(SHORT_TIMEOUT_SECONDS)
-    target.program_remote(rows["a"]["remote_id"], Answer.timeout(1.0))
+    target.program_remote(rows["a"]["remote_id"], Answer.given_up())
     target.program_remote(rows["b"]["remote_id"], Answer.status(422, {"error": "cannot delete"}))
     w.load("a", "b", deleted=True)
     w.run()
@@ -162,9 +162,9 @@ def test_a_delete_waits_for_a_create_in_doubt(engine: sa.Engine, target: TargetS
     w = world(engine, target, sending)
     w.set_timeout(SHORT_TIMEOUT_SECONDS)
     if sending.get("batch"):
-        target.program_batch(Answer.timeout(1.0), method="POST")
+        target.program_batch(Answer.given_up(), method="POST")
     else:
-        target.program(email("a"), Answer.timeout(1.0))
+        target.program(email("a"), Answer.given_up())
     w.load("a")
     w.run()
     row = w.ledger()["a"]
@@ -201,9 +201,9 @@ def test_a_restore_after_a_delete_in_doubt_finishes_the_delete_then_creates_anew
     first = w.ledger()["a"]["remote_id"]
     w.set_timeout(SHORT_TIMEOUT_SECONDS)
     if sending.get("batch"):
-        target.program_batch(Answer.timeout(1.0), method="DELETE")
+        target.program_batch(Answer.given_up(), method="DELETE")
     else:
-        target.program_remote(first, Answer.timeout(1.0))
+        target.program_remote(first, Answer.given_up())
     w.load("a", deleted=True)
     w.run()
     assert w.ledger()["a"]["deleting"]

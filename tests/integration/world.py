@@ -23,7 +23,8 @@ RULE = "contacts-to-crm"
 #: The target's request timeout: long enough that a loaded 2-core machine (an event loop or a thread
 #: starved for half a second) never times out a request the test did not mean to.
 REQUEST_TIMEOUT_SECONDS = 5.0
-#: For a test whose subject is a timeout (`World.set_timeout`): `Answer.timeout(1.0)` outlasts it.
+#: For a test whose subject is a timeout (`World.set_timeout`), with `Answer.given_up()` (the target
+#: answers only after the client gave up).
 SHORT_TIMEOUT_SECONDS = 0.5
 
 

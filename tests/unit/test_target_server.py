@@ -225,3 +225,16 @@ def test_a_held_request_is_recorded_and_answered_only_when_released(server: Targ
     server.release()
     sender.join(timeout=10)
     assert [r.status_code for r in answers] == [201]
+
+
+def test_a_given_up_answer_comes_only_after_the_client_gave_up_and_is_applied(server: TargetServer) -> None:
+    """However late the client's timeout strikes, it never sees the answer: the target waits for
+    the client to hang up, not for a guessed length, and then makes the record all the same."""
+    server.program("a@x.io", Answer.given_up())
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/contacts", json={"email": "a@x.io"}, timeout=1.5)
+    deadline = time.monotonic() + 30
+    while not server.records("contacts"):
+        assert time.monotonic() < deadline, "the request was never applied after the client gave up"
+        time.sleep(0.02)
+    assert [r["email"] for r in server.records("contacts").values()] == ["a@x.io"]
