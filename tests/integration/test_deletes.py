@@ -218,6 +218,35 @@ def test_a_restore_after_a_delete_in_doubt_finishes_the_delete_then_creates_anew
     assert row["status"] == "delivered" and row["remote_id"] == copy["id"] and not row["deleting"]
 
 
+def test_a_record_deleted_again_before_its_restore_was_created_is_suppressed(
+    engine: sa.Engine, target: TargetServer, sending: dict[str, Any]
+) -> None:
+    """Its copy deleted (a delete in doubt finished), the record restored, then deleted again
+    before the next chain created it anew: nothing is sent, and its row ends `suppressed` with no
+    remote id (the path the kill test met)."""
+    w = world(engine, target, sending)
+    w.load("a")
+    w.run()
+    w.set_timeout(SHORT_TIMEOUT_SECONDS)
+    if sending.get("batch"):
+        target.program_batch(Answer.given_up(), method="DELETE")
+    else:
+        target.program_remote(w.ledger()["a"]["remote_id"], Answer.given_up())
+    w.load("a", deleted=True)
+    w.run()
+    w.load("a", deleted=False, note="back")
+    w.make_due()
+    w.run()  # the delete is finished; the restored record is due to be created anew
+    assert w.ledger()["a"]["status"] == "failed" and held_by(target, "a") == []
+    w.load("a", deleted=True)
+    w.make_due()
+    sent = len(target.requests)
+    w.run()
+    row = w.ledger()["a"]
+    assert (row["status"], row["remote_id"]) == ("suppressed", None), row
+    assert len(target.requests) == sent and held_by(target, "a") == []
+
+
 @pytest.mark.parametrize("limit", [0, 2])
 def test_the_guard_stops_the_chain_before_a_batch_that_would_pass_the_limit(
     engine: sa.Engine, target: TargetServer, limit: int
