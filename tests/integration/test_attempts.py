@@ -153,3 +153,42 @@ def test_the_delivery_record_flow_publishes_the_row_and_its_requests(
     assert "**contacts-to-crm** / **c-42**: `failed`" in found.description
     refused = asyncio.run(run(rule=RULE, record_id="nobody"))
     assert refused.is_failed() and "no such 'contact' record" in refused.message
+
+
+def test_one_row_is_written_as_the_core_insert_writes_several(engine: sa.Engine) -> None:
+    """A settle's single attempt goes to the driver through `exec_driver_sql` (the per_record
+    fast path); a group's go through SQLAlchemy's executemany. Both store the same values: a
+    moment with its microseconds, NULLs, text no codec should bend, a NUL kept as the history keeps it."""
+    from types import SimpleNamespace
+
+    from delivery.domain import Attempt, LedgerStatus
+
+    at = utcnow().replace(microsecond=123456)
+    tried = Attempt(
+        at=at,
+        verb="create",
+        method="POST",
+        path="contacts/Łódź-ü",
+        status_code=None,
+        error="timed out\x00 after 0.5 s",
+        duration_ms=512,
+        answer_excerpt=None,
+        chain_run_id="6f19e22d-725c-4a95-8084-e59521616211",
+    )
+    outcome = SimpleNamespace(status=LedgerStatus.FAILED, tried=[tried])
+
+    def settled(record_id: int) -> Any:
+        return (SimpleNamespace(record=SimpleNamespace(id=record_id)), outcome)
+
+    with engine.begin() as conn:
+        attempts_store.write(conn, 7, [settled(1)])  # one row: the driver's path
+        attempts_store.write(conn, 7, [settled(2), settled(3)])  # the executemany
+    with engine.connect() as conn:
+        alone, *grouped = (attempts_store.of_record(conn, 7, record_id, 5) for record_id in (1, 2, 3))
+        # As stored, not as read back: SQLite keeps a moment as text, compared as text by the pruning.
+        stored = conn.execute(sa.text("SELECT DISTINCT at FROM delivery_attempts WHERE rule_id = 7")).all()
+    assert alone == grouped[0] == grouped[1]
+    assert len(stored) == 1, stored
+    (row,) = alone
+    assert row["at"] == at and row["error"] == "timed out\ufffd after 0.5 s" and row["status_code"] is None
+    assert (row["path"], row["outcome"], row["answer_excerpt"]) == ("contacts/Łódź-ü", "failed", None)
