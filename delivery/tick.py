@@ -14,8 +14,7 @@ from delivery import decisions, liveness
 from delivery.domain import Rule
 from delivery.store import attempts as attempts_store
 from delivery.store import catalog, chains, ledger
-from delivery.writers.base import verbs_of
-from delivery.writers.registry import find_writer
+from delivery.writers.registry import driver_verbs
 
 
 def run_name(rule: str, target: str) -> str:
@@ -86,8 +85,8 @@ def misconfigured(rule: Rule) -> bool:
     """No registered writer for the target's driver, or one lacking a verb the policy needs: a
     chain would fail at once (ADR-0029), and it must, on every tick, idle or not, so that a broken
     route never looks like a route with nothing to deliver. A registry lookup, no I/O."""
-    writer = find_writer(rule.target.driver)
-    return writer is None or not rule.verbs <= verbs_of(writer)
+    verbs = driver_verbs(rule.target.driver)
+    return verbs is None or not rule.verbs <= verbs
 
 
 def has_work(conn: sa.Connection, rule: Rule, now: datetime) -> bool:

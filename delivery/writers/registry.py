@@ -6,10 +6,20 @@ from __future__ import annotations
 from functools import cache
 from importlib.metadata import entry_points
 
-from delivery.domain import Connection
-from delivery.writers.base import Writer
+from delivery.domain import Connection, Verb
+from delivery.writers.base import Writer, verbs_of
 
 ENTRY_POINT_GROUP = "delivery.writers"
+
+#: The verbs of the built-in drivers' writers (one record per call, as `verbs_of` reads the
+#: registered type), known without importing them: the tick and an idle `delivery run` ask it of
+#: every rule, and importing the `rest` writers means httpx and Jinja2 (a fifth of an empty run's
+#: start). tests/unit/test_writer_registry.py holds it to the classes.
+BUILT_IN_VERBS: dict[str, frozenset[Verb]] = {
+    "rest": frozenset({Verb.CREATE, Verb.UPDATE, Verb.DELETE}),
+    "rest-create-only": frozenset({Verb.CREATE}),
+    "rest-update-only": frozenset({Verb.UPDATE}),
+}
 
 
 @cache
@@ -35,6 +45,16 @@ def find_writer(driver: str | None) -> type[Writer] | None:
     if driver is None:
         return None
     return _registry().get(driver)
+
+
+def driver_verbs(driver: str | None) -> frozenset[Verb] | None:
+    """The verbs the writer registered for `driver` offers (`verbs_of`), None when there is none.
+    A built-in driver is answered from `BUILT_IN_VERBS` until the registry has been loaded (built-ins
+    win over entry points, and only a loaded registry can be changed by `register_writer`)."""
+    if driver in BUILT_IN_VERBS and _registry.cache_info().currsize == 0:
+        return BUILT_IN_VERBS[driver]
+    writer_type = find_writer(driver)
+    return None if writer_type is None else verbs_of(writer_type)
 
 
 def writer_for(target: Connection) -> type[Writer] | None:
