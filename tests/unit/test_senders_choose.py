@@ -17,10 +17,10 @@ from delivery.send_one import OneAtATime
 from delivery.send_threads import Threads
 from delivery.senders import choose
 from delivery.writers.base import (
-    Creates,
-    CreatesAsync,
     CreateItem,
     CreateResult,
+    Creates,
+    CreatesAsync,
     CreatesMany,
     Updates,
     UpdatesAsync,
