@@ -16,10 +16,8 @@ from delivery.store.tables import attempts_table, mirror_records_table
 #: Built once: written with every grouped settle that carries requests.
 _INSERT = attempts_table.insert()
 
-#: The columns an attempt's row is written with (the id is the database's).
-_COLUMNS = (
-    "rule_id",
-    "record_id",
+#: The fields of one attempt as `delivery attempts --json` prints them, in order.
+FIELDS = (
     "at",
     "chain_run_id",
     "verb",
@@ -31,6 +29,10 @@ _COLUMNS = (
     "answer_excerpt",
     "outcome",
 )
+
+
+#: The columns an attempt's row is written with (the id is the database's).
+_COLUMNS = ("rule_id", "record_id", *FIELDS)
 
 
 class _OneRowInsert(NamedTuple):
@@ -94,21 +96,6 @@ def write(conn: sa.Connection, rule_id: int, settled: Sequence[tuple[Candidate, 
         conn.exec_driver_sql(insert.sql, insert.parameters(rows[0]))
     elif rows:
         conn.execute(_INSERT, rows)
-
-
-#: The fields of one attempt as `delivery attempts --json` prints them, in order.
-FIELDS = (
-    "at",
-    "chain_run_id",
-    "verb",
-    "method",
-    "path",
-    "status_code",
-    "error",
-    "duration_ms",
-    "answer_excerpt",
-    "outcome",
-)
 
 
 def of_record(conn: sa.Connection, rule_id: int, record_id: int, limit: int) -> list[dict[str, Any]]:
