@@ -27,7 +27,7 @@ import sqlalchemy as sa
 
 from flows.automations import TICK_MISSING_FILE, automations, install
 from tests.prefect_server import api_call, stop_group
-from tests.support.alerts import Receiver, alerting_server, api_of, firings, wait_for
+from tests.support.alerts import Receiver, firings, wait_for
 from tests.support.databases import unique
 
 #: A tick run `delivery serve` starts is a process of its own: 10 to 15 s apart on a loaded machine.
@@ -37,32 +37,13 @@ SCHEDULED_WINDOW = timedelta(seconds=60)
 LATE = timedelta(seconds=10)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with alerting_server(tmp_path_factory.mktemp("prefect-server")) as api:
-        yield api
-
-
 @pytest.fixture
-def api(server: str) -> Iterator[str]:
-    with api_of(server) as api:
-        yield api
-
-
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    made = Receiver()
-    yield made
-    made.httpd.shutdown()
-
-
-@pytest.fixture
-def serving(api: str, tmp_path: Path) -> Iterator[str]:
+def serving(alerting_api: str, tmp_path: Path) -> Iterator[str]:
     """`delivery serve` against the module's server (its deployments: delivery-tick among them);
     yields the delivery-tick deployment's id, its schedules removed."""
     env = {
         **os.environ,
-        "PREFECT_API_URL": api,
+        "PREFECT_API_URL": alerting_api,
         "DELIVERY_DATABASE_URL": f"sqlite:///{tmp_path / 'delivery.db'}",
         "PREFECT_RUNNER_POLL_FREQUENCY": "1",
     }
@@ -76,41 +57,41 @@ def serving(api: str, tmp_path: Path) -> Iterator[str]:
         def deployment() -> dict[str, Any] | None:
             assert process.poll() is None, (tmp_path / "serve.log").read_text()
             found = api_call(
-                "POST", f"{api}/deployments/filter", {"deployments": {"name": {"any_": ["delivery-tick"]}}}
+                "POST", f"{alerting_api}/deployments/filter", {"deployments": {"name": {"any_": ["delivery-tick"]}}}
             )
             return found[0] if found else None
 
         tick = wait_for(deployment, 120, "delivery serve's delivery-tick deployment")
         for schedule in tick["schedules"]:
-            api_call("DELETE", f"{api}/deployments/{tick['id']}/schedules/{schedule['id']}")
+            api_call("DELETE", f"{alerting_api}/deployments/{tick['id']}/schedules/{schedule['id']}")
         yield str(tick["id"])
     finally:
         stop_group(process)
 
 
-def _schedule(api: str, deployment_id: str, every: timedelta, parameters: dict[str, Any] | None = None) -> str:
+def _schedule(alerting_api: str, deployment_id: str, every: timedelta, parameters: dict[str, Any] | None = None) -> str:
     """An interval schedule on the deployment, its first run in a few seconds (the scheduler
     makes none in the past); its id."""
     first = datetime.now(UTC) + timedelta(seconds=5)
     schedule = {"interval": every.total_seconds(), "anchor_date": first.isoformat()}
     (made,) = api_call(
         "POST",
-        f"{api}/deployments/{deployment_id}/schedules",
+        f"{alerting_api}/deployments/{deployment_id}/schedules",
         [{"schedule": schedule, "active": True, "parameters": parameters or {}}],
     )
     return str(made["id"])
 
 
-def _tick_runs(api: str, deployment_id: str) -> list[dict[str, Any]]:
+def _tick_runs(alerting_api: str, deployment_id: str) -> list[dict[str, Any]]:
     runs: list[dict[str, Any]] = api_call(
-        "POST", f"{api}/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}}
+        "POST", f"{alerting_api}/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}}
     )
     return runs
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_ticks_made_by_the_scheduler_keep_the_alert_quiet_and_a_failed_one_is_told_at_once(
-    api: str, receiver: Receiver, engine: sa.Engine, serving: str
+    alerting_api: str, receiver: Receiver, engine: sa.Engine, serving: str
 ) -> None:
     """Issue 32, point 4, as it was seen: ticks run by `delivery serve` from the deployment's
     schedule. Prefect's scheduler makes those runs without a Scheduled event, so Prefect holds
@@ -128,12 +109,12 @@ def test_ticks_made_by_the_scheduler_keep_the_alert_quiet_and_a_failed_one_is_to
     ).save(block)
     (name,) = [a.name for path, a in automations(uuid4(), True) if path.name == TICK_MISSING_FILE]
     every = SCHEDULED_WINDOW / 4
-    schedule = _schedule(api, serving, every)
+    schedule = _schedule(alerting_api, serving, every)
 
     def completed() -> list[tuple[datetime, str]]:
         return sorted(
             (datetime.fromisoformat(run["state"]["timestamp"]), run["name"])
-            for run in _tick_runs(api, serving)
+            for run in _tick_runs(alerting_api, serving)
             if run["state_type"] == "COMPLETED"
         )
 
@@ -149,9 +130,9 @@ def test_ticks_made_by_the_scheduler_keep_the_alert_quiet_and_a_failed_one_is_to
     assert quiet == [], f"fired while scheduled ticks completed every {every.total_seconds():.1f} s: {quiet}"
 
     # The schedule paused: one alert, one window after the last tick that completed.
-    api_call("PATCH", f"{api}/deployments/{serving}/schedules/{schedule}", {"active": False})
+    api_call("PATCH", f"{alerting_api}/deployments/{serving}/schedules/{schedule}", {"active": False})
     wait_for(
-        lambda: not [r for r in _tick_runs(api, serving) if r["state_type"] in ("PENDING", "RUNNING")],
+        lambda: not [r for r in _tick_runs(alerting_api, serving) if r["state_type"] in ("PENDING", "RUNNING")],
         60,
         "the last tick to end",
     )
@@ -168,10 +149,10 @@ def test_ticks_made_by_the_scheduler_keep_the_alert_quiet_and_a_failed_one_is_to
     assert f"The last one that did was {last_name}, at " in alert["body"]
 
     # A scheduled tick that fails: told within seconds of its end.
-    _schedule(api, serving, timedelta(hours=1), {"dead_after_minutes": -1})
+    _schedule(alerting_api, serving, timedelta(hours=1), {"dead_after_minutes": -1})
 
     def failed() -> list[dict[str, Any]]:
-        return [r for r in _tick_runs(api, serving) if r["state_type"] == "FAILED"]
+        return [r for r in _tick_runs(alerting_api, serving) if r["state_type"] == "FAILED"]
 
     (run,) = wait_for(failed, 60, "the failing tick to end")
     ended = datetime.fromisoformat(run["state"]["timestamp"])

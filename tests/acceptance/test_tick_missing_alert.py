@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 from uuid import UUID, uuid4
@@ -30,32 +29,13 @@ import pytest
 import sqlalchemy as sa
 
 from flows.automations import FORMER_NAMES, TICK_MISSING_FILE, automations, install
-from tests.support.alerts import Receiver, alerting_server, api_of, firings, wait_for
+from tests.support.alerts import Receiver, firings, wait_for
 from tests.support.databases import unique
 
 WINDOW = timedelta(seconds=20)
 #: How late a firing may come: Prefect evaluates proactive triggers every 5 s, then the actions
 #: service sends the notification. Less than a window, so a firing a window late fails the test.
 LATE = timedelta(seconds=10)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with alerting_server(tmp_path_factory.mktemp("prefect-server")) as api:
-        yield api
-
-
-@pytest.fixture
-def api(server: str) -> Iterator[str]:
-    with api_of(server) as api:
-        yield api
-
-
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    made = Receiver()
-    yield made
-    made.httpd.shutdown()
 
 
 def _completed_at(flow_run_id: str) -> tuple[str, datetime]:
@@ -81,7 +61,7 @@ def _tick() -> tuple[str, datetime]:
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the alert watches Prefect, not the database
 def test_the_no_tick_alert_fires_one_window_after_the_install_and_after_the_last_completed_tick(
-    api: str, receiver: Receiver, engine: sa.Engine
+    alerting_api: str, receiver: Receiver, engine: sa.Engine
 ) -> None:
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
 
@@ -132,7 +112,7 @@ def test_the_no_tick_alert_fires_one_window_after_the_install_and_after_the_last
     assert "This alert repeats every 40 seconds until a tick completes." in after_ticks[0]["body"]
 
 
-def test_an_install_renames_the_automation_installed_under_the_former_name_in_place(api: str) -> None:
+def test_an_install_renames_the_automation_installed_under_the_former_name_in_place(alerting_api: str) -> None:
     """The first version was named "delivery: no tick completed for 15 minutes": installing again
     takes that automation over (same id and history), never leaving the old one to fire beside it."""
     from prefect import get_client
@@ -161,7 +141,7 @@ def test_an_install_renames_the_automation_installed_under_the_former_name_in_pl
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_ticks_a_third_of_a_window_apart_from_the_install_on_never_fire_it_and_one_stop_fires_it_once(
-    api: str, receiver: Receiver, engine: sa.Engine
+    alerting_api: str, receiver: Receiver, engine: sa.Engine
 ) -> None:
     """Issue 32, point 4, at a ninth of the scale: ticks every minute under a three-minute window
     for ten minutes (here every 6.7 s under 20 s, for 70 s), from the install on: no alert; then the
