@@ -59,6 +59,7 @@ from bench.world import StatementCounter, apply, records, rule_entry, target_con
 from delivery import db
 from delivery.chain import Chain
 from delivery.domain import MirrorInput, Phase
+from delivery.step import RecordStep
 from delivery.store import attempts as attempts_store
 from delivery.store import breaker, chains, ledger
 from delivery.store.mirror import load_records
@@ -147,6 +148,48 @@ def instrument(buckets: Buckets) -> None:
     buckets.wrap(sa.engine.Connection, "_begin_impl", "BEGIN")
     buckets.wrap(sa.engine.Connection, "_commit_impl", "COMMIT")
     buckets.wrap(sa.engine.Connection, "close", "release to pool")
+
+
+class HistoryClock:
+    """The CPU the record's history takes (its own code, every thread): the writer telling what it
+    sent and heard, the step turning that into attempts and carrying them on the outcome, the settle
+    writing their rows. Counted apart from the buckets (it runs inside some of them), with each
+    thread's CPU clock, so that its share of the run's CPU is measured in the same run: records/s
+    on this machine drifts by more than the history costs (docs/performance.md)."""
+
+    PIECES = (
+        (rest_module._RestWriter, "_tell"),
+        (RecordStep, "attempts_of"),
+        (RecordStep, "with_tried"),
+        (attempts_store, "write"),
+    )
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap_all(self) -> None:
+        for owner, attr in self.PIECES:
+            original = owner.__dict__[attr]
+            function = original.__func__ if isinstance(original, staticmethod) else original
+
+            def timed(*args: Any, __function: Callable[..., Any] = function, **kwargs: Any) -> Any:
+                started = time.thread_time()
+                try:
+                    return __function(*args, **kwargs)
+                finally:
+                    elapsed = time.thread_time() - started
+                    with self._lock:
+                        self.seconds += elapsed
+
+            setattr(owner, attr, staticmethod(timed) if isinstance(original, staticmethod) else timed)
+            self._undo.append((owner, attr, original))
+
+    def undo(self) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+        self._undo.clear()
 
 
 # ------------------------------------------------------------------------------- the variants
@@ -249,6 +292,8 @@ def run_chain(
         )
         buckets = Buckets()
         instrument(buckets)
+        history = HistoryClock()
+        history.wrap_all()
         counter = StatementCounter(engine)
         profiler = cProfile.Profile() if profile else None
         cpu_started, started = time.process_time(), time.perf_counter()
@@ -266,6 +311,7 @@ def run_chain(
                 profiler.disable()
             elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
             buckets.undo()
+            history.undo()
             counter.stop()
         if report.counts.get("delivered") != n:
             raise RuntimeError(f"chain of {name} delivered {report.counts.get('delivered')} of {n}")
@@ -273,6 +319,8 @@ def run_chain(
             "records_per_s": round(n / elapsed, 1),
             "ms_per_record": round(1000 * elapsed / n, 3),
             "cpu_ms_per_record": round(1000 * cpu / n, 3),
+            "history_cpu_ms_per_record": round(1000 * history.seconds / n, 4),
+            "history_share_of_cpu": round(history.seconds / cpu, 4),
             "statements_per_record": round(counter.statements / n, 2),
             "commits_per_record": round(counter.commits / n, 2),
             "buckets_ms_per_record": {k: round(1000 * v / n, 3) for k, v in sorted(buckets.seconds.items())},
@@ -366,7 +414,10 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append({"db": label, "variant": name, "settle": settle, "concurrency": c, **result})
                         console.print(
                             f"{label} {name} {settle} c={c}: {result['records_per_s']:,.0f} records/s, "
-                            f"{result['ms_per_record']:.2f} ms/record, CPU {result['cpu_ms_per_record']:.2f} ms/record"
+                            f"{result['ms_per_record']:.2f} ms/record, "
+                            f"CPU {result['cpu_ms_per_record']:.2f} ms/record, "
+                            f"of which the history {1000 * result['history_cpu_ms_per_record']:.0f} µs "
+                            f"({100 * result['history_share_of_cpu']:.1f}%)"
                         )
                         if "profile_tottime" in result:
                             console.print(result["profile_tottime"], markup=False, highlight=False)

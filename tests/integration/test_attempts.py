@@ -101,29 +101,56 @@ def test_the_chain_run_is_named(engine: sa.Engine, target: TargetServer) -> None
 def test_the_tick_prunes_what_is_older_than_the_keep_days_in_bounded_deletes(
     engine: sa.Engine, target: TargetServer
 ) -> None:
-    w = World(engine, target, through_prefect=False).apply()
-    w.load("a")
-    w.run()
+    """Rows come in the order of their settles, so the oldest ids hold the oldest requests; a
+    younger row among them (a request still in flight when they settled) stays, and the pruning
+    goes on past it, in deletes of at most PRUNE_ROWS."""
     now = utcnow()
-    old = [
-        {
+
+    def row(at: Any) -> dict[str, Any]:
+        return {
             "rule_id": 1,
             "record_id": 1,
-            "at": now - timedelta(days=20, seconds=i),
+            "at": at,
             "verb": "create",
             "method": "POST",
             "path": "contacts",
             "duration_ms": 1,
             "outcome": "failed",
         }
-        for i in range(PRUNE_ROWS + 5)
-    ]
+
+    old = [row(now - timedelta(days=20, seconds=PRUNE_ROWS + 5 - i)) for i in range(PRUNE_ROWS + 5)]
+    old.insert(PRUNE_ROWS // 2, row(now - timedelta(days=13)))  # younger than the keep days
+    w = World(engine, target, through_prefect=False).apply()
     with engine.begin() as conn:
         conn.execute(attempts_table.insert(), old)
+    w.load("a")
+    w.run()  # and the recent request of record a
     assert prune_attempts(engine, now, keep_days=14) == PRUNE_ROWS + 5
     with engine.connect() as conn:
-        left = conn.execute(sa.select(sa.func.count()).select_from(attempts_table)).scalar_one()
-    assert left == 1  # the recent one stays
+        left = conn.execute(sa.select(attempts_table.c.at).order_by(attempts_table.c.id)).scalars().all()
+    assert len(left) == 2 and all(at > now - timedelta(days=14) for at in left)
+    assert prune_attempts(engine, now, keep_days=14) == 0
+
+
+def test_a_younger_row_at_the_front_stays_until_it_is_old_itself(engine: sa.Engine) -> None:
+    now = utcnow()
+    with engine.begin() as conn:
+        for at in (now - timedelta(days=13), now - timedelta(days=20), now - timedelta(days=19)):
+            conn.execute(
+                attempts_table.insert(),
+                {
+                    "rule_id": 1,
+                    "record_id": 1,
+                    "at": at,
+                    "verb": "create",
+                    "method": "POST",
+                    "path": "contacts",
+                    "duration_ms": 1,
+                    "outcome": "failed",
+                },
+            )
+    assert prune_attempts(engine, now, keep_days=14) == 2
+    assert prune_attempts(engine, now + timedelta(days=2), keep_days=14) == 1
 
 
 def test_the_delivery_record_flow_publishes_the_row_and_its_requests(
