@@ -98,6 +98,20 @@ def test_the_chain_run_is_named(engine: sa.Engine, target: TargetServer) -> None
     assert tried["chain_run_id"] == "run-1234"
 
 
+def _attempt_row(at: Any) -> dict[str, Any]:
+    """A request of record 1 made at `at`, as its row is written."""
+    return {
+        "rule_id": 1,
+        "record_id": 1,
+        "at": at,
+        "verb": "create",
+        "method": "POST",
+        "path": "contacts",
+        "duration_ms": 1,
+        "outcome": "failed",
+    }
+
+
 def test_the_tick_prunes_what_is_older_than_the_keep_days_in_bounded_deletes(
     engine: sa.Engine, target: TargetServer
 ) -> None:
@@ -105,19 +119,7 @@ def test_the_tick_prunes_what_is_older_than_the_keep_days_in_bounded_deletes(
     younger row among them (a request still in flight when they settled) stays, and the pruning
     goes on past it, in deletes of at most PRUNE_ROWS."""
     now = utcnow()
-
-    def row(at: Any) -> dict[str, Any]:
-        return {
-            "rule_id": 1,
-            "record_id": 1,
-            "at": at,
-            "verb": "create",
-            "method": "POST",
-            "path": "contacts",
-            "duration_ms": 1,
-            "outcome": "failed",
-        }
-
+    row = _attempt_row
     old = [row(now - timedelta(days=20, seconds=PRUNE_ROWS + 5 - i)) for i in range(PRUNE_ROWS + 5)]
     old.insert(PRUNE_ROWS // 2, row(now - timedelta(days=13)))  # younger than the keep days
     w = World(engine, target, through_prefect=False).apply()
@@ -136,19 +138,7 @@ def test_a_younger_row_at_the_front_stays_until_it_is_old_itself(engine: sa.Engi
     now = utcnow()
     with engine.begin() as conn:
         for at in (now - timedelta(days=13), now - timedelta(days=20), now - timedelta(days=19)):
-            conn.execute(
-                attempts_table.insert(),
-                {
-                    "rule_id": 1,
-                    "record_id": 1,
-                    "at": at,
-                    "verb": "create",
-                    "method": "POST",
-                    "path": "contacts",
-                    "duration_ms": 1,
-                    "outcome": "failed",
-                },
-            )
+            conn.execute(attempts_table.insert(), _attempt_row(at))
     assert prune_attempts(engine, now, keep_days=14) == 2
     assert prune_attempts(engine, now + timedelta(days=2), keep_days=14) == 1
 
