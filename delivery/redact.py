@@ -14,6 +14,11 @@ from urllib.parse import quote, quote_plus
 
 MASK = "***"
 
+#: How far past a cut a text is masked first: a secret (in any of its spellings) up to this long
+#: that begins before the cut is masked whole, not cut in two with its start left showing. Tokens
+#: of several kilobytes exist (JWTs with many claims); none of sixteen.
+SECRET_MARGIN = 16_384
+
 
 def spellings(secret: str) -> frozenset[str]:
     """`secret` as sent, and as a JSON string body or a URL may carry it back."""
@@ -37,6 +42,11 @@ def _pattern(secrets: tuple[str, ...]) -> re.Pattern[str]:
     # Longest first, in one pass: where one spelling begins another (`a\` and `a\\`), the whole
     # longer one is masked instead of leaving its tail behind.
     return re.compile("|".join(re.escape(form) for form in sorted(forms, key=lambda f: (-len(f), f))))
+
+
+def redact_start(text: str, chars: int, *secrets: str | None) -> str:
+    """The first `chars` characters of `text`, its secrets masked (see `SECRET_MARGIN`)."""
+    return redact(text[: chars + SECRET_MARGIN], *secrets)[:chars]
 
 
 def redact(text: str, *secrets: str | None) -> str:

@@ -64,7 +64,7 @@ from delivery.errors import (
     Unauthorized,
     UnsendablePayload,
 )
-from delivery.redact import redact
+from delivery.redact import SECRET_MARGIN, redact, redact_start
 from delivery.storable import remote_id_problem
 from delivery.templates import MissingValue, Template, at_path
 from delivery.writers.base import (
@@ -343,14 +343,12 @@ class _RestWriter(Writer):
         """The request for the record's history (`delivery.attempts`), its answer's start masked."""
         excerpt = None
         if answer is not None:
-            bound = attempts.EXCERPT_CHARS * 4
             text = (
-                answer_text(answer.response, bound)
+                answer_text(answer.response, attempts.EXCERPT_CHARS + SECRET_MARGIN)
                 if answer.undecodable is None
                 else f"<not decodable: {answer.undecodable}>"
             )
-            # Masked before the cut (a token straddling it would leak its start), on a bounded part.
-            excerpt = self._clean(text[:bound])[: attempts.EXCERPT_CHARS] or None
+            excerpt = self._clean_start(text, attempts.EXCERPT_CHARS) or None
         attempts.heard(
             attempts.Exchange(
                 at=started,
@@ -416,14 +414,21 @@ class _RestWriter(Writer):
         return RecordRejected(what)
 
     def _clean(self, text: str) -> str:
+        return redact(text, *self._secrets())
+
+    def _clean_start(self, text: str, chars: int) -> str:
+        """The first `chars` characters of `text`, masked before the cut (`redact_start`): a token
+        straddling the cut would otherwise leave its first part."""
+        return redact_start(text, chars, *self._secrets())
+
+    def _secrets(self) -> tuple[str | None, ...]:
         held = self._oauth2.secrets() if self._oauth2 is not None else ()
-        return redact(text, self._token, *self._credentials.values(), *held)
+        return (self._token, *self._credentials.values(), *held)
 
     def _excerpt(self, answer: _Answer) -> str:
         if answer.undecodable is not None:
             return f"<answer body not decodable: {answer.undecodable}>"[:BODY_EXCERPT]
-        # Redact before cutting: a token straddling the cut would otherwise leak its first part.
-        return self._clean(answer_text(answer.response, BODY_EXCERPT * 4))[:BODY_EXCERPT]
+        return self._clean_start(answer_text(answer.response, BODY_EXCERPT + SECRET_MARGIN), BODY_EXCERPT)
 
     def _create(self, body: Mapping[str, Any], idempotency_key: str, record: MirrorRecord | None = None) -> str:
         method, path, content = self._request("create", body, record, idempotency_key=idempotency_key)

@@ -209,3 +209,21 @@ def test_one_row_is_written_as_the_core_insert_writes_several(engine: sa.Engine)
     (row,) = alone
     assert row["at"] == at and row["error"] == "timed out\ufffd after 0.5 s" and row["status_code"] is None
     assert (row["path"], row["outcome"], row["answer_excerpt"]) == ("contacts/Łódź-ü", "failed", None)
+
+
+def test_a_long_token_echoed_where_the_excerpt_is_cut_leaves_nothing_of_itself(
+    engine: sa.Engine, target: TargetServer, monkeypatch: Any
+) -> None:
+    """The answer echoes a 6,000-character token beginning before the 500th character: the
+    history's excerpt and the row's error hold none of it (masked before the cut)."""
+    token = "eyJ" + "t0k" * 2_000
+    monkeypatch.setenv("CRM_TOKEN", token)
+    target.token = token
+    w = World(engine, target, through_prefect=False).apply()
+    target.program(email("a"), Answer.echo_headers(422))
+    w.load("a")
+    w.run()
+    found = history(engine, "a")
+    (tried,) = found["attempts"]
+    assert "t0kt0k" not in tried["answer_excerpt"] and "Bearer ***" in tried["answer_excerpt"]
+    assert "t0kt0k" not in found["ledger"]["last_error"]

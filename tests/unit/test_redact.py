@@ -9,7 +9,7 @@ from urllib.parse import quote, quote_plus
 
 import pytest
 
-from delivery.redact import MASK, redact
+from delivery.redact import MASK, redact, redact_start
 
 SLASHED = "Sekr3t/Tok+en=="
 QUOTED = 'Qu0te"Back\\slash/Pl+us'
@@ -75,3 +75,12 @@ def test_text_without_the_secret_is_unchanged() -> None:
 def test_regex_characters_in_a_secret_are_literal() -> None:
     token = "a.b*c(d)[e]$"
     assert redact("aXb*c(d)[e]$ and a.b*c(d)[e]$", token) == "aXb*c(d)[e]$ and ***"
+
+
+def test_a_long_secret_straddling_the_cut_leaves_nothing_of_itself() -> None:
+    """A token of several kilobytes (a JWT with many claims) that begins before the cut."""
+    token = "eyJ" + "x" * 6_000
+    text = "a" * 400 + json.dumps({"authorization": f"Bearer {token}"})
+    start = redact_start(text, 500, token)
+    assert start == text[:400] + '{"authorization": "Bearer ***"}'
+    assert redact_start(text, 500) == text[:500]  # no secret: the plain start
