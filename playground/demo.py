@@ -400,9 +400,11 @@ class Demo:
             "delivery ledger --status exhausted",
             "delivery ledger --status remote_gone --json",
             f"delivery requeue {RULE} --status remote_gone --dry-run",
-            "delivery sandbox &   # a target to deliver to again (port 8900), then: delivery run " + RULE,
+            "delivery sandbox &   # a target to deliver to again (port 8900)",
+            f"delivery run {RULE}",
             "prefect server start   # then, in another shell:",
-            f"PREFECT_API_URL=http://127.0.0.1:4200/api delivery run {RULE}   # and open http://127.0.0.1:4200",
+            f"PREFECT_API_URL=http://127.0.0.1:4200/api delivery run {RULE}",
+            "# and open http://127.0.0.1:4200 (the UI)",
         ):
             self.console.print(f"  [cyan]{line}[/cyan]")
         return counts
