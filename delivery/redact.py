@@ -14,11 +14,6 @@ from urllib.parse import quote, quote_plus
 
 MASK = "***"
 
-#: How far past a cut a text is masked first: a secret (in any of its spellings) up to this long
-#: that begins before the cut is masked whole, not cut in two with its start left showing. Tokens
-#: of several kilobytes exist (JWTs with many claims); none of sixteen.
-SECRET_MARGIN = 16_384
-
 
 def spellings(secret: str) -> frozenset[str]:
     """`secret` as sent, and as a JSON string body or a URL may carry it back."""
@@ -44,13 +39,31 @@ def _pattern(secrets: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile("|".join(re.escape(form) for form in sorted(forms, key=lambda f: (-len(f), f))))
 
 
+@functools.lru_cache(maxsize=32)
+def _longest(secrets: tuple[str, ...]) -> int:
+    return max(len(form) for secret in secrets for form in spellings(secret))
+
+
+def _present(secrets: tuple[str | None, ...]) -> tuple[str, ...]:
+    return tuple(sorted({secret for secret in secrets if secret}))
+
+
+def margin(*secrets: str | None) -> int:
+    """How far past a cut a text must be read to mask it before cutting: the longest spelling of
+    the secrets, so that one beginning before the cut ends within what was read (tokens of several
+    kilobytes exist: JWTs with many claims)."""
+    present = _present(secrets)
+    return _longest(present) if present else 0
+
+
 def redact_start(text: str, chars: int, *secrets: str | None) -> str:
-    """The first `chars` characters of `text`, its secrets masked (see `SECRET_MARGIN`)."""
-    return redact(text[: chars + SECRET_MARGIN], *secrets)[:chars]
+    """The first `chars` characters of `text`, masked before the cut: a secret straddling it would
+    otherwise leave its start showing."""
+    return redact(text[: chars + margin(*secrets)], *secrets)[:chars]
 
 
 def redact(text: str, *secrets: str | None) -> str:
-    present = tuple(sorted({secret for secret in secrets if secret}))
+    present = _present(secrets)
     if not present or not text:
         return text
     return _pattern(present).sub(MASK, text)

@@ -148,7 +148,7 @@ def prune_attempts(engine: sa.Engine, now: datetime, keep_days: float) -> int:
         with engine.begin() as conn:
             gone = attempts_store.prune(conn, before, PRUNE_ROWS)
         pruned += gone
-        if not gone:
+        if gone < PRUNE_ROWS:
             break
     return pruned
 

@@ -656,7 +656,10 @@ class TargetServer:
         if answer.kind == "timeout":
             self._sleep(answer.seconds)
             return
-        connection: socket.socket = _answering_socket.value
+        connection: socket.socket | None = getattr(_answering_socket, "value", None)
+        if connection is None:  # called without a request being answered (no socket to watch)
+            self._sleep(answer.seconds)
+            return
         deadline = time.monotonic() + answer.seconds
         while time.monotonic() < deadline:
             if self._stopping.is_set():

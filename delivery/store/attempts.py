@@ -59,7 +59,9 @@ def _one_row_insert(dialect: sa.Dialect) -> _OneRowInsert:
         # As for an executemany: no RETURNING of the id, which nobody reads.
         compiled = attempts_table.insert().compile(dialect=dialect, column_keys=list(_COLUMNS), for_executemany=True)
         order = tuple(compiled.positiontup) if compiled.positiontup else None
-        convert = {name: attempts_table.c[name].type.bind_processor(dialect) for name in _COLUMNS}
+        # The type as the dialect implements it (SQLite's DATETIME writes a fixed-width text: the
+        # generic type's processor alone would leave the driver's adapter to write it).
+        convert = {name: attempts_table.c[name].type.dialect_impl(dialect).bind_processor(dialect) for name in _COLUMNS}
         found = _one_row_inserts[key] = _OneRowInsert(str(compiled), order, convert)
     return found
 
@@ -110,17 +112,11 @@ def of_record(conn: sa.Connection, rule_id: int, record_id: int, limit: int) -> 
 
 
 def prune(conn: sa.Connection, before: datetime, limit: int) -> int:
-    """Delete the requests made before `before` among the `limit` oldest rows by id (one seek on
-    the primary key, one bounded delete); how many went. Called again until it deletes none.
-
-    Ids follow time: a row is written when its settle commits, so its id is later than those of
-    rows made before it, save a request still in flight then (by at most its timeout). Such a
-    younger row among the oldest ids stays, and the pruning goes on past it; a later tick prunes
-    it once it is old enough itself. With nothing to prune, the tick reads the ids and times of
-    at most `limit` rows, on the primary key: a millisecond or two."""
+    """Delete at most `limit` of the oldest requests made before `before` (one bounded delete,
+    an index seek on `at`); how many went. Called again until it deletes fewer than `limit`."""
     t = attempts_table
-    oldest = sa.select(t.c.id, t.c.at).order_by(t.c.id).limit(limit)
-    ids = [row.id for row in conn.execute(oldest) if row.at < before]
+    oldest = sa.select(t.c.id).where(t.c.at < sa.literal(before, t.c.at.type)).order_by(t.c.at, t.c.id).limit(limit)
+    ids = [row_id for (row_id,) in conn.execute(oldest)]
     if ids:
         conn.execute(t.delete().where(t.c.id.in_(ids)))
     return len(ids)

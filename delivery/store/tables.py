@@ -187,9 +187,9 @@ attempts_table = sa.Table(
     sa.Column("duration_ms", sa.Integer, nullable=False),
     sa.Column("answer_excerpt", sa.Text),
     sa.Column("outcome", sa.String(20), nullable=False),
-    # One record's history, newest first. The pruning reads the oldest rows by id (the primary
-    # key): an index on `at` as well would cost every request's row a second index write.
+    # One record's history, newest first; and the pruning, oldest first.
     sa.Index(None, "rule_id", "record_id", "at", "id"),
+    sa.Index(None, "at", "id"),
 )
 
 chains_table = sa.Table(

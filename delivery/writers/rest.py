@@ -64,7 +64,7 @@ from delivery.errors import (
     Unauthorized,
     UnsendablePayload,
 )
-from delivery.redact import SECRET_MARGIN, redact, redact_start
+from delivery.redact import margin, redact, redact_start
 from delivery.storable import remote_id_problem
 from delivery.templates import MissingValue, Template, at_path
 from delivery.writers.base import (
@@ -125,7 +125,7 @@ def retry_after_seconds(value: str | None) -> float | None:
     return max((when - utcnow()).total_seconds(), 0.0)
 
 
-_CHARSET = re.compile(r"""charset\s*=\s*["']?([\w.:-]+)""", re.IGNORECASE)
+_CHARSET = re.compile(r"""(?:^|[;\s])charset\s*=\s*["']?([\w.:-]+)""", re.IGNORECASE)
 
 
 def answer_text(response: httpx.Response, chars: int) -> str:
@@ -137,7 +137,8 @@ def answer_text(response: httpx.Response, chars: int) -> str:
     charset = _CHARSET.search(response.headers.get("content-type", ""))
     content = response.content[: chars * 4]  # no encoding spends more than four bytes on a character
     if charset is not None:
-        with contextlib.suppress(LookupError):
+        # An unknown name, or a codec that is no text encoding (idna, punycode: no "replace").
+        with contextlib.suppress(LookupError, UnicodeError):
             return content.decode(charset.group(1), errors="replace")
     return content.decode("utf-8", errors="replace")
 
@@ -343,12 +344,10 @@ class _RestWriter(Writer):
         """The request for the record's history (`delivery.attempts`), its answer's start masked."""
         excerpt = None
         if answer is not None:
-            text = (
-                answer_text(answer.response, attempts.EXCERPT_CHARS + SECRET_MARGIN)
-                if answer.undecodable is None
-                else f"<not decodable: {answer.undecodable}>"
-            )
-            excerpt = self._clean_start(text, attempts.EXCERPT_CHARS) or None
+            if answer.undecodable is None:
+                excerpt = self._answer_start(answer.response, attempts.EXCERPT_CHARS) or None
+            else:
+                excerpt = self._clean(f"<not decodable: {answer.undecodable}>")[: attempts.EXCERPT_CHARS]
         attempts.heard(
             attempts.Exchange(
                 at=started,
@@ -416,10 +415,11 @@ class _RestWriter(Writer):
     def _clean(self, text: str) -> str:
         return redact(text, *self._secrets())
 
-    def _clean_start(self, text: str, chars: int) -> str:
-        """The first `chars` characters of `text`, masked before the cut (`redact_start`): a token
-        straddling the cut would otherwise leave its first part."""
-        return redact_start(text, chars, *self._secrets())
+    def _answer_start(self, response: httpx.Response, chars: int) -> str:
+        """The first `chars` characters of an answer's body, masked before the cut (`redact_start`):
+        read as far past the cut as the longest secret spelling reaches, and no further."""
+        secrets = self._secrets()
+        return redact_start(answer_text(response, chars + margin(*secrets)), chars, *secrets)
 
     def _secrets(self) -> tuple[str | None, ...]:
         held = self._oauth2.secrets() if self._oauth2 is not None else ()
@@ -428,7 +428,7 @@ class _RestWriter(Writer):
     def _excerpt(self, answer: _Answer) -> str:
         if answer.undecodable is not None:
             return f"<answer body not decodable: {answer.undecodable}>"[:BODY_EXCERPT]
-        return self._clean_start(answer_text(answer.response, BODY_EXCERPT + SECRET_MARGIN), BODY_EXCERPT)
+        return self._answer_start(answer.response, BODY_EXCERPT)
 
     def _create(self, body: Mapping[str, Any], idempotency_key: str, record: MirrorRecord | None = None) -> str:
         method, path, content = self._request("create", body, record, idempotency_key=idempotency_key)

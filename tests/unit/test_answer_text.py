@@ -43,3 +43,14 @@ def test_only_the_start_is_decoded_and_it_holds_the_characters_asked_for() -> No
     answer = response(body.encode(), "text/plain; charset=utf-8")
     read = answer_text(answer, 100)
     assert read.startswith("ü" * 100) and len(read) < len(body)
+
+
+def test_a_codec_that_is_no_text_encoding_reads_as_utf_8() -> None:
+    for charset in ("idna", "punycode", "undefined"):
+        answer = response("Łódź".encode(), f"text/plain; charset={charset}")
+        assert answer_text(answer, 100) == "Łódź", charset
+
+
+def test_only_a_charset_parameter_names_the_charset() -> None:
+    answer = response("Łódź".encode(), "text/plain; x-charset=latin-1")
+    assert answer_text(answer, 100) == "Łódź"
