@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -324,7 +325,8 @@ def test_a_wait_for_the_rule_lock_and_the_repair_of_a_dead_holder_are_in_the_run
     assert f"held by chain {token} (flow run 0000-dead-run)" in begins
     (waiting,) = [m for m in logs if "waiting for the rule lock" in m and "so far" in m]
     assert f"chain {token} (flow run 0000-dead-run, pid {finished.pid} on {liveness.this_host()}" in waiting
-    assert "for 1 s so far" in waiting or "for 2 s so far" in waiting
+    # How long it had waited when it said so depends on the machine's load: only that it says.
+    assert re.search(r"for \d+ s so far", waiting), waiting
     assert any(f"freed the lock of dead chain {token}" in m and "its lease was released" in m for m in logs)
     assert any("took the rule lock after waiting" in m for m in logs)
 
