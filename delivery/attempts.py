@@ -1,6 +1,7 @@
 """A record's requests as its history keeps them: a writer tells what it sent and heard
-(`heard`), the step listens around each call it makes (`listening`) and turns what it heard into
-the `Attempt`s its outcome carries to the settle, which writes them in the same transaction.
+(`heard`), the step listens around each call it makes (`Listening`, which knows the call's verb
+and chain run) and its outcome carries the `Attempt`s heard to the settle, which writes them in
+the same transaction.
 
 A context variable carries the listener, so a writer needs no new argument and a call on a
 thread or an event-loop task hears only its own requests.
@@ -8,9 +9,7 @@ thread or an event-loop task hears only its own requests.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextvars import ContextVar
 from datetime import datetime
 
@@ -20,68 +19,76 @@ from delivery.domain import Attempt
 EXCERPT_CHARS = 500
 
 
-@dataclasses.dataclass(frozen=True)
-class Exchange:
-    """One request and what came of it, as the writer saw it."""
+class Listening:
+    """The requests made within a `with` block on this thread or task (`heard`), kept as the
+    record's history keeps them: each with the verb of the step's call and its chain run."""
 
-    at: datetime
-    method: str
-    path: str
-    status_code: int | None
-    error: str | None
-    duration_ms: int
-    answer_excerpt: str | None
+    __slots__ = ("_token", "chain_run_id", "heard", "target", "verb")
 
-    def attempt(self, verb: str, chain_run_id: str | None) -> Attempt:
-        """The request as a record's history keeps it: what the writer saw, the verb and the run."""
-        # Field by field: `dataclasses.asdict` deep-copies, 18 µs a request against 3 µs here.
-        return Attempt(
-            at=self.at,
-            verb=verb,
-            method=self.method,
-            path=self.path,
-            status_code=self.status_code,
-            error=self.error,
-            duration_ms=self.duration_ms,
-            answer_excerpt=self.answer_excerpt,
-            chain_run_id=chain_run_id,
-        )
+    def __init__(self, target: str, verb: str, chain_run_id: str | None) -> None:
+        self.target = target
+        self.verb = verb
+        self.chain_run_id = chain_run_id
+        #: What was heard, oldest first.
+        self.heard: list[Attempt] = []
+
+    def __enter__(self) -> list[Attempt]:
+        self._token = _listener.set(self)
+        return self.heard
+
+    def __exit__(self, *_: object) -> None:
+        _listener.reset(self._token)
 
 
-_listener: ContextVar[list[Exchange] | None] = ContextVar("delivery_exchanges", default=None)
+_listener: ContextVar[Listening | None] = ContextVar("delivery_listening", default=None)
 
-#: Told of every request a step made (target, verb, exchange): the metrics' timing, where enabled.
-Observer = Callable[[str, str, Exchange], None]
+#: Told of every request a step made (target, and the request as its history keeps it): the
+#: metrics' timing, where enabled.
+Observer = Callable[[str, Attempt], None]
 _observers: list[Observer] = []
 
 
-def observe(observer: Observer) -> None:
-    """Tell `observer` of every request made from now on, in this process (after its step heard it)."""
+def observe(observer: Observer) -> Callable[[], None]:
+    """Tell `observer` of every request a step makes from now on, in this process; returns what
+    stops telling it."""
     _observers.append(observer)
+    return lambda: _observers.remove(observer)
 
 
-def told(target: str, verb: str, exchange: Exchange) -> None:
-    """A step's request, for the observers (`observe`); an observer's failure is not the step's."""
+def listened() -> bool:
+    """Whether a step listens here: a writer need not build what nobody keeps."""
+    return _listener.get() is not None
+
+
+def heard(
+    at: datetime,
+    method: str,
+    path: str,
+    status_code: int | None,
+    error: str | None,
+    duration_ms: int,
+    answer_excerpt: str | None,
+) -> None:
+    """A writer's request and its answer (or transport error): kept if a step listens, and told
+    to the observers (an observer's failure is not the step's)."""
+    listening = _listener.get()
+    if listening is None:
+        return
+    # One object per request, built once: it is what the settle writes.
+    attempt = Attempt(
+        at=at,
+        verb=listening.verb,
+        method=method,
+        path=path,
+        status_code=status_code,
+        error=error,
+        duration_ms=duration_ms,
+        answer_excerpt=answer_excerpt,
+        chain_run_id=listening.chain_run_id,
+    )
+    listening.heard.append(attempt)
     for observer in _observers:
         try:
-            observer(target, verb, exchange)
+            observer(listening.target, attempt)
         except Exception:
             continue
-
-
-def heard(exchange: Exchange) -> None:
-    """A writer's request and its answer (or transport error), kept if someone listens."""
-    found = _listener.get()
-    if found is not None:
-        found.append(exchange)
-
-
-@contextlib.contextmanager
-def listening() -> Iterator[list[Exchange]]:
-    """The exchanges made within the block, on this thread or task, in order."""
-    found: list[Exchange] = []
-    token = _listener.set(found)
-    try:
-        yield found
-    finally:
-        _listener.reset(token)

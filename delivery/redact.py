@@ -44,7 +44,9 @@ def _longest(secrets: tuple[str, ...]) -> int:
     return max(len(form) for secret in secrets for form in spellings(secret))
 
 
+@functools.lru_cache(maxsize=32)
 def _present(secrets: tuple[str | None, ...]) -> tuple[str, ...]:
+    # Cached: the same few secrets are looked up for every request a record's history keeps.
     return tuple(sorted({secret for secret in secrets if secret}))
 
 
@@ -59,7 +61,10 @@ def margin(*secrets: str | None) -> int:
 def redact_start(text: str, chars: int, *secrets: str | None) -> str:
     """The first `chars` characters of `text`, masked before the cut: a secret straddling it would
     otherwise leave its start showing."""
-    return redact(text[: chars + margin(*secrets)], *secrets)[:chars]
+    present = _present(secrets)
+    if not present:
+        return text[:chars]
+    return _pattern(present).sub(MASK, text[: chars + _longest(present)])[:chars]
 
 
 def redact(text: str, *secrets: str | None) -> str:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from delivery import attempts, decisions
+from delivery import decisions
 from delivery.breaker import TargetBreaker
-from delivery.domain import Candidate, ChainEnd, Outcome, Verb
+from delivery.domain import Attempt, Candidate, ChainEnd, Outcome, Verb
 from delivery.errors import RuleFault, TargetUnavailable
 from delivery.job import Job, ToSettle
 from delivery.send_threads import send_one_in_window
@@ -110,7 +110,7 @@ class BatchCalls:
             return None  # the batch is cut short: no call starts after that
         job.sent.update(indices)
         got: dict[int, Any] = {}
-        heard: dict[int, list[attempts.Exchange]] = {}
+        heard: dict[int, list[Attempt]] = {}
         cut: Cut | None = None
         try:
             self._call(job, verb, indices, breaker, signals, got, heard)
@@ -129,7 +129,7 @@ class BatchCalls:
             assert isinstance(plan, Send)
             candidate, intent = job.candidates[i], job.intents[i]
             outcome = step.item_outcome(candidate, plan, got[i], breaker)
-            outcome = cast("Outcome", step.with_tried(outcome, step.attempts_of(heard.get(i, []), verb)))
+            outcome = cast("Outcome", step.with_tried(outcome, heard.get(i, [])))
             if signals.over.is_set():
                 return None  # the job has ended: nothing settles after it
             settled = candidate if intent is None else Candidate(candidate.record, intent)
@@ -146,7 +146,7 @@ class BatchCalls:
         breaker: TargetBreaker,
         signals: Signals,
         got: dict[int, Any],
-        heard: dict[int, list[attempts.Exchange]],
+        heard: dict[int, list[Attempt]],
     ) -> None:
         """One batch call for `indices`, its results put in `got` and its requests in `heard`; a
         call refused as a whole is split in halves, each sent again, down to one item (whose
@@ -179,7 +179,7 @@ class BatchCalls:
             call = writer.delete_many
         assert call is not None
         try:
-            with attempts.listening() as exchanges:
+            with step.listening(verb) as exchanges:
                 try:
                     results = step.call(breaker, job.context.bounds(signals.stop), call, items)
                 finally:

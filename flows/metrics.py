@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from delivery import attempts
+from delivery.domain import Attempt
 
 RECORDS = Counter("delivery_records_total", "Records settled, by ledger outcome.", ["rule", "target", "outcome"])
 REQUEST_SECONDS = Histogram(
@@ -51,8 +52,8 @@ _started: set[int] = set()
 _lock = threading.Lock()
 
 
-def _heard(target: str, verb: str, exchange: attempts.Exchange) -> None:
-    REQUEST_SECONDS.labels(target=target, verb=verb).observe(exchange.duration_ms / 1000)
+def _heard(target: str, attempt: Attempt) -> None:
+    REQUEST_SECONDS.labels(target=target, verb=attempt.verb).observe(attempt.duration_ms / 1000)
 
 
 # Every process that reports chains times their requests, whether it serves the metrics itself

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 
-from delivery.domain import Candidate, Outcome
+from delivery.domain import Attempt, Candidate, Outcome
 from delivery.storable import storable_text
 from delivery.store.tables import attempts_table, mirror_records_table
 
@@ -44,8 +44,10 @@ class _OneRowInsert(NamedTuple):
     convert: Mapping[str, Callable[[Any], Any] | None]
 
     def parameters(self, row: dict[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
-        values = {name: value if (f := self.convert[name]) is None else f(value) for name, value in row.items()}
-        return values if self.order is None else tuple(values[name] for name in self.order)
+        convert = self.convert
+        if self.order is None:
+            return {name: value if (f := convert[name]) is None else f(value) for name, value in row.items()}
+        return tuple([row[name] if (f := convert[name]) is None else f(row[name]) for name in self.order])
 
 
 _one_row_inserts: dict[tuple[type[sa.Dialect], str], _OneRowInsert] = {}
@@ -66,28 +68,55 @@ def _one_row_insert(dialect: sa.Dialect) -> _OneRowInsert:
     return found
 
 
+def _row(rule_id: int, candidate: Candidate, outcome: Outcome, attempt: Attempt) -> dict[str, Any]:
+    return {
+        "rule_id": rule_id,
+        "record_id": candidate.record.id,
+        "at": attempt.at,
+        "chain_run_id": attempt.chain_run_id,
+        "verb": attempt.verb,
+        "method": attempt.method,
+        # Text as both databases store it alike (a NUL or a lone surrogate in an answer is kept as �).
+        "path": storable_text(attempt.path)[:2000],
+        "status_code": attempt.status_code,
+        "error": None if attempt.error is None else storable_text(attempt.error),
+        "duration_ms": attempt.duration_ms,
+        "answer_excerpt": None if attempt.answer_excerpt is None else storable_text(attempt.answer_excerpt),
+        "outcome": outcome.status.value,
+    }
+
+
+#: The prefix of an attempt's parameters in a statement that writes a ledger row too (`after`).
+_PREFIX = "attempt_"
+
+
+def after(update: sa.Update) -> sa.Insert:
+    """One statement that runs `update` (of at most one row) and writes one attempt's row only if
+    it wrote one: a data-modifying WITH, which PostgreSQL has (`one_statement`) and SQLite has not.
+    Its row count is 1 when both were written, 0 when neither was. The attempt's values are
+    parameters named with the prefix `attempt_` (`parameters_after`)."""
+    settled = update.returning(sa.literal_column("1")).cte("settled")
+    values = (sa.bindparam(_PREFIX + name, type_=attempts_table.c[name].type) for name in _COLUMNS)
+    insert = attempts_table.insert().from_select(list(_COLUMNS), sa.select(*values).select_from(settled))
+    # SQLAlchemy keeps the row count of an UPDATE or DELETE only, unless asked.
+    return insert.execution_options(preserve_rowcount=True)
+
+
+def one_statement(conn: sa.Connection) -> bool:
+    """Whether the database runs an update and an attempt's row as one statement (`after`)."""
+    return conn.dialect.name == "postgresql"
+
+
+def parameters_after(rule_id: int, candidate: Candidate, outcome: Outcome) -> dict[str, Any]:
+    """The parameters of the outcome's one attempt in a statement made by `after`."""
+    (attempt,) = outcome.tried
+    return {_PREFIX + name: value for name, value in _row(rule_id, candidate, outcome, attempt).items()}
+
+
 def write(conn: sa.Connection, rule_id: int, settled: Sequence[tuple[Candidate, Outcome]]) -> None:
     """The requests behind each settled outcome, in the caller's transaction (the settle's): no
     commit of their own. One executemany for all of them."""
-    rows = [
-        {
-            "rule_id": rule_id,
-            "record_id": candidate.record.id,
-            "at": attempt.at,
-            "chain_run_id": attempt.chain_run_id,
-            "verb": attempt.verb,
-            "method": attempt.method,
-            # Text as both databases store it alike (a NUL or a lone surrogate in an answer is kept as �).
-            "path": storable_text(attempt.path)[:2000],
-            "status_code": attempt.status_code,
-            "error": None if attempt.error is None else storable_text(attempt.error),
-            "duration_ms": attempt.duration_ms,
-            "answer_excerpt": None if attempt.answer_excerpt is None else storable_text(attempt.answer_excerpt),
-            "outcome": outcome.status.value,
-        }
-        for candidate, outcome in settled
-        for attempt in outcome.tried
-    ]
+    rows = [_row(rule_id, candidate, outcome, attempt) for candidate, outcome in settled for attempt in outcome.tried]
     if len(rows) == 1:
         # A per_record settle's one row, one per record: the statement compiled once and its values
         # converted as SQLAlchemy would, then handed to the driver (`exec_driver_sql`, which the

@@ -129,9 +129,36 @@ _INSERT = ledger_table.insert()
 _INSERT_RETURNING_ID = ledger_table.insert().returning(ledger_table.c.id, sort_by_parameter_order=True)
 #: Every write of a row names the version it read and moves it on: a settle and a requeue racing
 #: for one row cannot overwrite each other unseen, the later one finds no row to write.
+#: The columns every settle writes (`_settled_values`).
+_SETTLED_COLUMNS = (
+    "status",
+    "remote_id",
+    "attempts",
+    "next_attempt_at",
+    "last_error",
+    "settled_changed_at",
+    "fingerprint",
+    "create_generation",
+    "in_doubt",
+    "deleting",
+    "updated_at",
+)
 _UPDATE = ledger_table.update().where(
     ledger_table.c.id == sa.bindparam("row_id"), ledger_table.c.version == sa.bindparam("read_version")
 )
+#: `_UPDATE` and the outcome's one attempt in one statement, where the database can
+#: (`attempts.after`): by whether the row's key moved on (which writes `create_fingerprint` too).
+_UPDATE_AND_ATTEMPT = {
+    renewed: attempts.after(
+        _UPDATE.values(
+            {
+                name: sa.bindparam(name, type_=ledger_table.c[name].type)
+                for name in (*_SETTLED_COLUMNS, "version", *(("create_fingerprint",) if renewed else ()))
+            }
+        )
+    )
+    for renewed in (False, True)
+}
 _DELETE = ledger_table.delete().where(
     ledger_table.c.id == sa.bindparam("row_id"), ledger_table.c.version == sa.bindparam("read_version")
 )
@@ -385,6 +412,18 @@ def settle(conn: sa.Connection, rule: Rule, candidate: Candidate, outcome: Outco
     signal it settles is the one the candidate carried. Run in the transaction of the fence check
     that guards it. Returns False, writing nothing, when the row's version moved since it was
     read: whoever wrote it (a requeue) keeps it."""
+    row = candidate.ledger
+    if row is not None and len(outcome.tried) == 1 and attempts.one_statement(conn):
+        # The common case of a per_record settle on PostgreSQL, a row and its one request, in one
+        # statement: one round trip and one execution less per record.
+        parameters = {
+            "row_id": row.id,
+            "read_version": row.version,
+            "version": row.version + 1,
+            **_settled_values(candidate, outcome, now),
+            **attempts.parameters_after(rule.id, candidate, outcome),
+        }
+        return conn.execute(_UPDATE_AND_ATTEMPT[outcome.key_renewed], parameters).rowcount == 1
     written = _settle(conn, rule, candidate, outcome, now)
     if written:
         attempts.write(conn, rule.id, [(candidate, outcome)])

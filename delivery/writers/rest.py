@@ -342,6 +342,8 @@ class _RestWriter(Writer):
         self, method: str, path: str, started: datetime, clock: float, answer: _Answer | None, error: str | None
     ) -> None:
         """The request for the record's history (`delivery.attempts`), its answer's start masked."""
+        if not attempts.listened():
+            return  # outside a chain's step (a preview, a check): nobody keeps it
         excerpt = None
         if answer is not None:
             if answer.undecodable is None:
@@ -349,15 +351,13 @@ class _RestWriter(Writer):
             else:
                 excerpt = self._clean(f"<not decodable: {answer.undecodable}>")[: attempts.EXCERPT_CHARS]
         attempts.heard(
-            attempts.Exchange(
-                at=started,
-                method=method,
-                path=path,
-                status_code=answer.status_code if answer is not None else None,
-                error=error,
-                duration_ms=round((time.monotonic() - clock) * 1000),
-                answer_excerpt=excerpt,
-            )
+            at=started,
+            method=method,
+            path=path,
+            status_code=answer.status_code if answer is not None else None,
+            error=error,
+            duration_ms=round((time.monotonic() - clock) * 1000),
+            answer_excerpt=excerpt,
         )
 
     def _exchange(self, method: str, path: str, content: bytes, headers: dict[str, str]) -> _Answer:

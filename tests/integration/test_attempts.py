@@ -11,7 +11,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from delivery import listings
+from delivery import attempts, listings
 from delivery.clock import utcnow
 from delivery.store import attempts as attempts_store
 from delivery.store.tables import attempts_table
@@ -90,6 +90,23 @@ def test_a_batch_call_is_in_the_history_of_each_record_it_carried(engine: sa.Eng
             200,
             "delivered",
         )
+
+
+def test_a_batch_call_is_told_to_the_observers_once(engine: sa.Engine, target: TargetServer) -> None:
+    """The metrics time requests (`delivery_request_seconds`): one call carrying three records is
+    one request, though each record's history shows it."""
+    w = World(engine, target, through_prefect=False).apply(
+        target={"batch": {"create_path": "contacts/batch", "update_path": "contacts/batch"}}
+    )
+    told: list[tuple[str, str, str]] = []
+    stop = attempts.observe(lambda name, attempt: told.append((name, attempt.verb, attempt.path)))
+    try:
+        w.load("a", "b", "c")
+        w.run()
+    finally:
+        stop()
+    assert told == [("crm", "create", "contacts/batch")]
+    assert all(len(history(engine, i)["attempts"]) == 1 for i in ("a", "b", "c"))
 
 
 def test_the_chain_run_is_named(engine: sa.Engine, target: TargetServer) -> None:
@@ -201,6 +218,56 @@ def test_one_row_is_written_as_the_core_insert_writes_several(engine: sa.Engine)
     (row,) = alone  # the whole second's
     assert row["at"] == whole_second and row["error"] == "timed out\ufffd after 0.5 s" and row["status_code"] is None
     assert (row["path"], row["outcome"], row["answer_excerpt"]) == ("contacts/Łódź-ü", "failed", None)
+
+
+def test_a_settle_whose_row_moved_writes_no_request_and_one_whose_row_stood_writes_it(
+    engine: sa.Engine, target: TargetServer
+) -> None:
+    """A settle writes the row and its one request together (on PostgreSQL in one statement): a
+    requeue that moved the row first keeps it, and the request of the settle it beat is not kept."""
+    from delivery.domain import Attempt, Candidate, LedgerStatus, Outcome
+    from delivery.store import catalog, ledger
+
+    w = World(engine, target, through_prefect=False).apply()
+    w.load("a")
+    w.run()
+    w.load("a", note="changed")
+    with engine.connect() as conn:
+        rule = catalog.get_rule(conn, RULE)
+        (candidate,) = ledger.scan_page(conn, rule, None, 10)
+    assert candidate.ledger is not None
+    tried = Attempt(
+        at=(utcnow() + timedelta(seconds=1)).replace(microsecond=0),  # after the create; a whole second
+        verb="update",
+        method="PATCH",
+        path="contacts/Łódź",
+        status_code=200,
+        error=None,
+        duration_ms=7,
+        answer_excerpt='{"ok": "\x00"}',
+        chain_run_id="run-9",
+    )
+    outcome = Outcome(LedgerStatus.DELIVERED, remote_id=candidate.ledger.remote_id, tried=(tried,))
+    moved = Candidate(candidate.record, dataclasses.replace(candidate.ledger, version=candidate.ledger.version - 1))
+    with engine.begin() as conn:
+        assert ledger.settle(conn, rule, moved, outcome, utcnow()) is False
+    assert [a["verb"] for a in history(engine, "a")["attempts"]] == ["create"]
+    with engine.begin() as conn:
+        assert ledger.settle(conn, rule, candidate, outcome, utcnow()) is True
+    newest, _ = history(engine, "a")["attempts"]
+    assert newest == {
+        "at": tried.at,
+        "chain_run_id": "run-9",
+        "verb": "update",
+        "method": "PATCH",
+        "path": "contacts/Łódź",
+        "status_code": 200,
+        "error": None,
+        "duration_ms": 7,
+        "answer_excerpt": '{"ok": "\ufffd"}',
+        "outcome": "delivered",
+    }
+    assert w.ledger()["a"]["status"] == "delivered"
 
 
 def test_a_long_token_echoed_where_the_excerpt_is_cut_leaves_nothing_of_itself(

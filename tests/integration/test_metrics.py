@@ -62,8 +62,8 @@ def test_the_metrics_of_many_processes_are_served_added_up(tmp_path: object) -> 
         metrics.RECORDS.labels(rule="r", target="t", outcome="delivered").inc(3)
         metrics.TARGET_PAUSED.labels(target="t").set(1)
         # A chain's request in a run's process, where nothing serves metrics: timed all the same.
-        exchange = attempts.Exchange(datetime.now(UTC), "POST", "contacts", 201, None, 12, None)
-        attempts.told("t", "create", exchange)
+        with attempts.Listening("t", "create", None):
+            attempts.heard(datetime.now(UTC), "POST", "contacts", 201, None, 12, None)
         """
     )
     env = {**os.environ, metrics.MULTIPROC_ENV: directory}
