@@ -47,29 +47,34 @@ hypothesis_settings.register_profile(
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-#: The test modules that take longest, slowest first (wall time on 2 cores, from `--durations`):
-#: each xdist worker takes a whole module at a time, in collection order, so a long module
-#: collected last leaves one worker running it alone while the others sit idle at the end.
+#: The test modules that take longest, slowest first (wall time on 2 cores, from `--durations`,
+#: 7 December 2026): each xdist worker takes a whole module at a time, in this order (pytest runs
+#: with `--no-loadscope-reorder`: xdist would otherwise hand out the modules with the most tests
+#: first, and these, most of them one to four tests waiting on servers and schedules, last). A
+#: long module started last leaves one worker running it alone while the others sit idle.
 SLOWEST_FIRST = (
-    "test_server_restart",
-    "test_server_restart_postgres",
-    "test_kill_settles",
-    "test_exclusivity",
-    "test_warm_worker",
     "test_tick_alerts_scheduled",
-    "test_cli",
-    "test_unknown_outcomes_cli",
-    "test_cli_run_idle",
-    "test_serve_signals",
-    "test_cli_fuzz",
-    "test_tick_server",
-    "test_requeue_and_secrets_on_a_server",
-    "test_cli_input_limits",
-    "test_grouped_settles",
-    "test_chain",
-    "test_two_workers",
+    "test_kill_settles",
     "test_tick_missing_alert",
+    "test_server_restart",
+    "test_warm_worker",
+    "test_server_restart_postgres",
+    "test_unknown_outcomes_cli",
+    "test_exclusivity",
+    "test_serve_signals",
+    "test_deletes_cli",
+    "test_cli_run_idle",
+    "test_requeue_and_secrets_on_a_server",
+    "test_tick_server",
+    "test_grouped_settles",
     "test_demo",
+    "test_cli",
+    "test_cli_fuzz",
+    "test_two_workers",
+    "test_lock_repair",
+    "test_attempts_cli",
+    "test_rate_budget",
+    "test_cancel",
 )
 
 
