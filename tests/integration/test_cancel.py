@@ -31,6 +31,7 @@ from delivery.store.ledger import CREATE_IN_FLIGHT
 from delivery.store.tables import chains_table, ledger_table
 from tests.integration.runs import run_tags
 from tests.integration.world import RULE, World
+from tests.support.threads import wait_for_engine_threads_to_end
 from tests.target_server import TargetServer
 
 DELIVERY = str(Path(sys.executable).parent / "delivery")
@@ -140,7 +141,8 @@ def _assert_stopped_mid_batch_and_wrote_nothing_after(
     assert _last_write(world) <= row.ended_at  # nothing reached the ledger after the chain ended
     assert world.cursor() is None  # the batch never concluded: the cursor stays where it was
     requests = len(world.target.requests)
-    time.sleep(1.5)  # a worker left running would settle one record per 200 ms
+    # Nothing more can come: the run's process has ended, or (in process) the job's threads.
+    wait_for_engine_threads_to_end()
     assert (_ledger_count(world), len(world.target.requests)) == (written, requests)
     assert asyncio.run(_state_of(flow_run_id)) == "CANCELLED"
     assert "ended:cancelled" in run_tags(flow_run_id)

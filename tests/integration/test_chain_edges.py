@@ -21,6 +21,7 @@ from delivery.store.tables import breaker_states_table, ledger_table, mirror_rec
 from delivery.writers.base import Creates, Updates, Writer
 from delivery.writers.registry import register_writer, reset_registry
 from tests.integration.world import REQUEST_TIMEOUT_SECONDS, RULE, World
+from tests.support.threads import engine_threads
 from tests.target_server import Answer, TargetServer
 
 
@@ -51,7 +52,8 @@ def test_a_batch_timeout_stops_every_worker_before_the_job_ends(
     requests_at_end = len(world.target.requests)
     ledger_at_end = _ledger_snapshot(world)
     assert 0 < requests_at_end < 120
-    time.sleep(2.0)  # five more rounds of calls, had the workers gone on
+    # The job ended with none of its workers left: not one of them sends after it.
+    assert engine_threads() == []
     assert len(world.target.requests) == requests_at_end
     assert _ledger_snapshot(world) == ledger_at_end
 

@@ -105,6 +105,37 @@ class Waiter:
         self.thread.join(timeout=30)
 
 
+class WaitSteps:
+    """Counts the wait steps (`LockRepair.after_wait`) the waiters of this test have made, so a
+    test waits for steps to have happened instead of sleeping as long as they might take."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._changed = threading.Condition()
+
+    def made(self) -> None:
+        with self._changed:
+            self.count += 1
+            self._changed.notify_all()
+
+    def wait_for(self, n: int, timeout: float = 120) -> None:
+        with self._changed:
+            assert self._changed.wait_for(lambda: self.count >= n, timeout), f"{self.count} of {n} wait steps"
+
+
+@pytest.fixture
+def wait_steps(monkeypatch: pytest.MonkeyPatch) -> WaitSteps:
+    steps = WaitSteps()
+    after_wait = flows.lock.LockRepair.after_wait
+
+    async def counted(self: flows.lock.LockRepair) -> None:
+        await after_wait(self)
+        steps.made()
+
+    monkeypatch.setattr(flows.lock.LockRepair, "after_wait", counted)
+    return steps
+
+
 @pytest.fixture
 def others(name: str) -> Iterator[list[str]]:
     """Leases taken by the test, released at the end whatever happened."""
@@ -115,11 +146,11 @@ def others(name: str) -> Iterator[list[str]]:
 
 
 def test_a_slot_with_nobody_on_record_is_not_reset_while_its_lease_may_be_alive(
-    world: World, name: str, others: list[str]
+    world: World, name: str, others: list[str], wait_steps: WaitSteps
 ) -> None:
     alive = _take(name)  # a holder still in its job, with nobody on record
     with Waiter(Chain(world.engine, RULE)) as waiter:
-        time.sleep(5)  # five wait steps of the waiter
+        wait_steps.wait_for(5)  # five wait steps of the waiter, each judging the slot
         _release(alive)  # the holder ends its job and gives back its slot, once
         assert waiter.acquired.wait(15), waiter.error
         # A third job must find the rule taken. Had the waiter reset the slot while the lease was
@@ -202,7 +233,7 @@ def _failing_release(calls: list[str]) -> Any:
 
 
 def test_with_a_repossessor_a_dead_holder_whose_release_fails_is_not_reset(
-    world: World, name: str, others: list[str], monkeypatch: pytest.MonkeyPatch
+    world: World, name: str, others: list[str], monkeypatch: pytest.MonkeyPatch, wait_steps: WaitSteps
 ) -> None:
     lease = _take(name)
     others.append(lease)
@@ -211,7 +242,7 @@ def test_with_a_repossessor_a_dead_holder_whose_release_fails_is_not_reset(
     monkeypatch.setattr(flows.lock, "release_lease", _failing_release(calls))
     monkeypatch.setattr(flows.lock, "server_repossesses_leases", lambda: True, raising=False)
     with Waiter(Chain(world.engine, RULE)) as waiter:
-        time.sleep(4)
+        wait_steps.wait_for(3)  # steps enough to try the dead holder's lease, and again
         assert calls == [lease]  # it tried the lease, once
         assert not waiter.acquired.is_set() and _active_slots(name) == 1  # no blunt reset
         rule_id = world.rule_row()["id"]
