@@ -127,8 +127,6 @@ def drain_page(conn: sa.Connection, rule: Rule, due_by: datetime, limit: int) ->
 #: the database spends running it.
 _INSERT = ledger_table.insert()
 _INSERT_RETURNING_ID = ledger_table.insert().returning(ledger_table.c.id, sort_by_parameter_order=True)
-#: Every write of a row names the version it read and moves it on: a settle and a requeue racing
-#: for one row cannot overwrite each other unseen, the later one finds no row to write.
 #: The columns every settle writes (`_settled_values`).
 _SETTLED_COLUMNS = (
     "status",
@@ -143,6 +141,8 @@ _SETTLED_COLUMNS = (
     "deleting",
     "updated_at",
 )
+#: Every write of a row names the version it read and moves it on: a settle and a requeue racing
+#: for one row cannot overwrite each other unseen, the later one finds no row to write.
 _UPDATE = ledger_table.update().where(
     ledger_table.c.id == sa.bindparam("row_id"), ledger_table.c.version == sa.bindparam("read_version")
 )

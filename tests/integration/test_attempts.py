@@ -248,6 +248,8 @@ def test_a_settle_whose_row_moved_writes_no_request_and_one_whose_row_stood_writ
         chain_run_id="run-9",
     )
     outcome = Outcome(LedgerStatus.DELIVERED, remote_id=candidate.ledger.remote_id, tried=(tried,))
+    # The one statement writes every column a settle writes.
+    assert set(ledger._settled_values(candidate, outcome, utcnow())) == set(ledger._SETTLED_COLUMNS)
     moved = Candidate(candidate.record, dataclasses.replace(candidate.ledger, version=candidate.ledger.version - 1))
     with engine.begin() as conn:
         assert ledger.settle(conn, rule, moved, outcome, utcnow()) is False
