@@ -48,6 +48,7 @@ from tests.support.cli import (
     write_jsonl,
     write_yaml,
 )
+from tests.support.days import clear_of_midnight
 from tests.target_server import TargetServer
 
 
@@ -396,9 +397,12 @@ def test_run_with_a_rule_fault_fails_with_exit_1(live: Path, engine: sa.Engine, 
 def test_run_against_a_daily_budget_ends_rate_limited_and_shows_the_budget(
     live: Path, engine: sa.Engine, target: TargetServer
 ) -> None:
+    # The job's deadline a minute on, and midnight beyond the test: the spent budget (reset at
+    # midnight) ends the chain instead of being waited out.
+    clear_of_midnight(180)
     name = write_yaml(live, "limited.yaml", config(target.url, target={"rate_limit": {"per_day": 1}}))
     ok(delivery("apply", name, cwd=live))
-    proc = delivery("run", RULE, "--json", cwd=live, env=prefect_env())
+    proc = delivery("run", RULE, "--json", cwd=live, env={**prefect_env(), "DELIVERY_BATCH_TIMEOUT_SECONDS": "60"})
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     result = json.loads(proc.stdout)
     assert result["state"] == "COMPLETED" and result["ended_by"] == "rate_limited"

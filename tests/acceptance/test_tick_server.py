@@ -35,6 +35,7 @@ from flows.deliver_rule import CHAIN_TOKEN_KEY
 from tests.integration.runs import run_logs
 from tests.integration.world import RULE, World
 from tests.prefect_server import prefect_server
+from tests.support.days import clear_of_midnight
 from tests.target_server import TargetServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -255,12 +256,16 @@ def test_a_deployment_run_against_a_spent_budget_ends_rate_limited(
 ) -> None:
     from flows.tick import run_tick
 
+    # The job's deadline a minute on, and midnight beyond the test: the spent budget (reset at
+    # midnight) ends the chain instead of being waited out.
+    clear_of_midnight(180)
     world.apply(target={"rate_limit": {"per_day": 1}})
     world.load("b")
     env = {
         **server_env,
         "DELIVERY_DATABASE_URL": os.environ["DELIVERY_DATABASE_URL"],
         "CRM_TOKEN": os.environ["CRM_TOKEN"],
+        "DELIVERY_BATCH_TIMEOUT_SECONDS": "60",
     }
     run_id = next(r for r in run_tick()["rules"] if r["rule"] == RULE)["flow_run_id"]
     _execute(run_id, env)

@@ -6,7 +6,7 @@ breaker. The multi-process budget test is in tests/acceptance/test_rate_budget.p
 from __future__ import annotations
 
 import itertools
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
@@ -133,16 +133,19 @@ def test_a_retry_after_without_429_or_503_is_an_ordinary_failure(world: World) -
 
 
 def test_a_daily_budget_spent_ends_the_chain_rate_limited(world: World) -> None:
+    # At noon: the day's reset is further off than the job's deadline, whatever the hour the test
+    # runs (at 23:55 the chain would rightly wait five minutes for it).
+    clock = FakeClock(datetime.combine(utcnow().date(), datetime.min.time(), UTC) + timedelta(hours=12))
     world.apply(target={"rate_limit": {"per_day": 2}}, rule={"concurrency": 1})
-    world.load("a", "b", "c")
-    report = drive(world.engine, RULE)
+    world.load("a", "b", "c", at=clock.now())
+    report = drive(world.engine, RULE, clock=clock)
     assert report.ended_by is ChainEnd.RATE_LIMITED and "rate budget" in report.message
     assert report.counts["delivered"] == 2 and len(world.target.requests) == 2
     assert len(world.ledger()) == 2
     row = traffic_row(world)
-    assert row.day == utcnow().date().isoformat() and row.day_count == 2
+    assert row.day == clock.now().date().isoformat() and row.day_count == 2
     # The day's budget is the target's, whichever chain asks.
-    again = drive(world.engine, RULE)
+    again = drive(world.engine, RULE, clock=clock)
     assert again.ended_by is ChainEnd.RATE_LIMITED and len(world.target.requests) == 2
 
 
