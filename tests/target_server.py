@@ -304,6 +304,10 @@ class TargetServer:
         self._batch_scripts: deque[tuple[str | None, Answer]] = deque()
         self._idempotency: dict[tuple[str, str], dict[str, Any]] = {}
         self._next_id = 1
+        #: Moves with every `reset`: a request stalled across one belongs to a test that is over.
+        self._generation = 0
+        #: Set by the next `reset`: wakes the requests stalled in this generation, to be dropped.
+        self._reset_woken = threading.Event()
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
         # Set on stop so handlers sleeping for latency/timeout answers abandon
@@ -411,6 +415,9 @@ class TargetServer:
         """Return to a pristine target so one server can be shared across tests."""
         self._answering.set()
         with self._lock:
+            self._generation += 1
+            self._reset_woken.set()
+            self._reset_woken = threading.Event()
             self._collections.clear()
             self._scripts.clear()
             self._batch_scripts.clear()
@@ -653,15 +660,27 @@ class TargetServer:
                 raise _Drop
 
     def _stall(self, answer: Answer) -> None:
+        """Hold the request as `answer` says, then let it be handled; dropped, never applied, when
+        the target was reset meanwhile: the test that programmed the stall is over, and a stall
+        outliving it (a 60-second one in test_serve_signals) would make a record in the next."""
+        with self._lock:
+            generation, woken = self._generation, self._reset_woken
+        self._hold(answer, woken)
+        with self._lock:
+            if self._generation != generation:
+                raise _Drop
+
+    def _hold(self, answer: Answer, woken: threading.Event) -> None:
+        """Until the stall ends, or the target is stopped (raises `_Drop`) or reset (`woken`)."""
         if answer.kind == "timeout":
-            self._sleep(answer.seconds)
+            self._sleep(answer.seconds, woken)
             return
         connection: socket.socket | None = getattr(_answering_socket, "value", None)
         if connection is None:  # called without a request being answered (no socket to watch)
-            self._sleep(answer.seconds)
+            self._sleep(answer.seconds, woken)
             return
         deadline = time.monotonic() + answer.seconds
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not woken.is_set():
             if self._stopping.is_set():
                 raise _Drop
             readable, _, _ = select.select([connection], [], [], 0.05)
@@ -670,9 +689,18 @@ class TargetServer:
                 # pipelined request would read the same, and no client of these tests sends one.
                 return
 
-    def _sleep(self, seconds: float) -> None:
-        """Interruptible by :meth:`stop`, so a stalled answer never outlives its test."""
-        if self._stopping.wait(seconds):
+    def _sleep(self, seconds: float, woken: threading.Event | None = None) -> None:
+        """Interruptible by :meth:`stop` (raises `_Drop`), and by `woken` (returns early), so a
+        stalled answer never outlives its test."""
+        if woken is None:
+            if self._stopping.wait(seconds):
+                raise _Drop
+            return
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0 and not woken.wait(min(left, 0.05)):
+            if self._stopping.is_set():
+                raise _Drop
+        if self._stopping.is_set():
             raise _Drop
 
     def _scripted(self, answer: Answer, method: str, headers: dict[str, str]) -> _Reply | None:

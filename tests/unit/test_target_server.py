@@ -239,3 +239,28 @@ def test_a_given_up_answer_comes_only_after_the_client_gave_up_and_is_applied(se
         assert time.monotonic() < deadline, "the request was never applied after the client gave up"
         time.sleep(0.02)
     assert [r["email"] for r in server.records("contacts").values()] == ["a@x.io"]
+
+
+def test_a_request_stalled_across_a_reset_is_dropped_not_applied(server: TargetServer) -> None:
+    """A stall outliving its test (the target is shared, reset between tests) makes nothing in
+    the next test's target."""
+    server.program("late@x.io", Answer.timeout(60))  # the reset ends it at once
+    answers: list[BaseException | int] = []
+
+    def post() -> None:
+        try:
+            answers.append(httpx.post(f"{server.url}/contacts", json={"email": "late@x.io"}, timeout=30).status_code)
+        except httpx.HTTPError as exc:
+            answers.append(exc)
+
+    sender = threading.Thread(target=post)
+    sender.start()
+    deadline = time.monotonic() + 10
+    while not server.requests:
+        assert time.monotonic() < deadline, "the request never arrived"
+        time.sleep(0.01)
+    server.reset()  # the next test begins while the request is stalled
+    sender.join(timeout=30)
+    assert not sender.is_alive(), "the reset did not end the stall"
+    assert server.records("contacts") == {}
+    assert len(answers) == 1 and isinstance(answers[0], httpx.HTTPError)  # dropped: no answer either
