@@ -97,7 +97,7 @@ BUCKET_ORDER = list(BUCKET_LABELS)
 class Buckets:
     """Wall time per bucket, owned by the outermost wrapped call of each thread."""
 
-    def __init__(self, overhead: float | None = None) -> None:
+    def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._local = threading.local()
@@ -153,9 +153,9 @@ def instrument(buckets: Buckets) -> None:
 class HistoryClock:
     """The CPU the record's history takes (its own code, every thread): the writer telling what it
     sent and heard, the step listening around each call and carrying what it heard on the outcome,
-    the settle writing their rows. Counted apart from the buckets (it runs inside some of them), with each
-    thread's CPU clock, so that its share of the run's CPU is measured in the same run: records/s
-    on this machine drifts by more than the history costs (docs/performance.md)."""
+    the settle writing their rows. Counted apart from the buckets (it runs inside some of them),
+    with each thread's CPU clock, so that its share of the run's CPU is measured in the same run:
+    records/s on this machine drifts by more than the history costs (docs/performance.md)."""
 
     PIECES = (
         (rest_module._RestWriter, "_tell"),
@@ -373,7 +373,7 @@ def run_chain(
 
 
 class _Capture:
-    def __init__(self, overhead: float | None = None) -> None:
+    def __init__(self) -> None:
         self.text = ""
 
     def write(self, text: str) -> int:
