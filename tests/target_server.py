@@ -294,6 +294,8 @@ class TargetServer:
         self.down: bool = False
         self.latency_ms: int = 0
         self.requests: list[RecordedRequest] = []
+        #: Requests held by a `timeout` or `given_up` answer now.
+        self.stalled = 0
         #: Requests being handled now, and the most seen at once since the last `reset`.
         self.in_flight = 0
         self.max_in_flight = 0
@@ -665,7 +667,12 @@ class TargetServer:
         outliving it (a 60-second one in test_serve_signals) would make a record in the next."""
         with self._lock:
             generation, woken = self._generation, self._reset_woken
-        self._hold(answer, woken)
+            self.stalled += 1
+        try:
+            self._hold(answer, woken)
+        finally:
+            with self._lock:
+                self.stalled -= 1
         with self._lock:
             if self._generation != generation:
                 raise _Drop
