@@ -306,9 +306,8 @@ class TargetServer:
         self._batch_scripts: deque[tuple[str | None, Answer]] = deque()
         self._idempotency: dict[tuple[str, str], dict[str, Any]] = {}
         self._next_id = 1
-        #: Moves with every `reset`: a request stalled across one belongs to a test that is over.
-        self._generation = 0
-        #: Set by the next `reset`: wakes the requests stalled in this generation, to be dropped.
+        #: Set by the next `reset` (or `stop`), then replaced: it wakes the requests stalled
+        #: before it, which are dropped, their test being over.
         self._reset_woken = threading.Event()
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -326,6 +325,8 @@ class TargetServer:
         if self._httpd is not None:
             return self
         self._stopping.clear()
+        if self._reset_woken.is_set():  # stopped before: the stalls of then are gone
+            self._reset_woken = threading.Event()
         self._httpd = _HTTPServer(self)
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
@@ -342,6 +343,7 @@ class TargetServer:
         if httpd is None:
             return
         self._stopping.set()
+        self._reset_woken.set()
         httpd.shutdown()
         httpd.server_close()
         if thread is not None:
@@ -417,7 +419,6 @@ class TargetServer:
         """Return to a pristine target so one server can be shared across tests."""
         self._answering.set()
         with self._lock:
-            self._generation += 1
             self._reset_woken.set()
             self._reset_woken = threading.Event()
             self._collections.clear()
@@ -666,48 +667,33 @@ class TargetServer:
         the target was reset meanwhile: the test that programmed the stall is over, and a stall
         outliving it (a 60-second one in test_serve_signals) would make a record in the next."""
         with self._lock:
-            generation, woken = self._generation, self._reset_woken
+            woken = self._reset_woken
             self.stalled += 1
         try:
             self._hold(answer, woken)
         finally:
             with self._lock:
                 self.stalled -= 1
-        with self._lock:
-            if self._generation != generation:
-                raise _Drop
+        if woken.is_set():  # the target was reset (or stopped) meanwhile
+            raise _Drop
 
     def _hold(self, answer: Answer, woken: threading.Event) -> None:
-        """Until the stall ends, or the target is stopped (raises `_Drop`) or reset (`woken`)."""
-        if answer.kind == "timeout":
-            self._sleep(answer.seconds, woken)
-            return
+        """Until the stall ends, or `woken` is set (a reset or a stop)."""
         connection: socket.socket | None = getattr(_answering_socket, "value", None)
-        if connection is None:  # called without a request being answered (no socket to watch)
-            self._sleep(answer.seconds, woken)
+        if answer.kind == "timeout" or connection is None:  # no socket to watch without a request
+            woken.wait(answer.seconds)
             return
         deadline = time.monotonic() + answer.seconds
         while time.monotonic() < deadline and not woken.is_set():
-            if self._stopping.is_set():
-                raise _Drop
             readable, _, _ = select.select([connection], [], [], 0.05)
             if readable:
                 # The end of the stream (or a reset): the client closed the connection. A
                 # pipelined request would read the same, and no client of these tests sends one.
                 return
 
-    def _sleep(self, seconds: float, woken: threading.Event | None = None) -> None:
-        """Interruptible by :meth:`stop` (raises `_Drop`), and by `woken` (returns early), so a
-        stalled answer never outlives its test."""
-        if woken is None:
-            if self._stopping.wait(seconds):
-                raise _Drop
-            return
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0 and not woken.wait(min(left, 0.05)):
-            if self._stopping.is_set():
-                raise _Drop
-        if self._stopping.is_set():
+    def _sleep(self, seconds: float) -> None:
+        """Interruptible by :meth:`stop`, so a slow answer never outlives its test."""
+        if self._stopping.wait(seconds):
             raise _Drop
 
     def _scripted(self, answer: Answer, method: str, headers: dict[str, str]) -> _Reply | None:
