@@ -61,10 +61,7 @@ def margin(*secrets: str | None) -> int:
 def redact_start(text: str, chars: int, *secrets: str | None) -> str:
     """The first `chars` characters of `text`, masked before the cut: a secret straddling it would
     otherwise leave its start showing."""
-    present = _present(secrets)
-    if not present:
-        return text[:chars]
-    return _pattern(present).sub(MASK, text[: chars + _longest(present)])[:chars]
+    return redact(text[: chars + margin(*secrets)], *secrets)[:chars]
 
 
 def redact(text: str, *secrets: str | None) -> str:
