@@ -25,8 +25,9 @@ from flows.traffic_events import PAUSED, RESUMED
 from tests.integration.runs import run_artifacts, run_logs, run_state
 from tests.integration.world import RULE, World
 from tests.prefect_server import prefect_server
-from tests.support.alerts import Receiver, wait_for
+from tests.support.alerts import Receiver
 from tests.support.databases import unique
+from tests.support.waiting import wait_for
 from tests.target_server import Answer, TargetServer
 
 

@@ -27,8 +27,9 @@ import sqlalchemy as sa
 
 from flows.automations import TICK_MISSING_FILE, automations, install
 from tests.prefect_server import api_call, stop_group
-from tests.support.alerts import Receiver, firings, wait_for
+from tests.support.alerts import Receiver, firings
 from tests.support.databases import unique
+from tests.support.waiting import wait_for
 
 #: A tick run `delivery serve` starts is a process of its own: 10 to 15 s apart on a loaded machine.
 SCHEDULED_WINDOW = timedelta(seconds=60)

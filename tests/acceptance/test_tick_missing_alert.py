@@ -29,8 +29,9 @@ import pytest
 import sqlalchemy as sa
 
 from flows.automations import FORMER_NAMES, TICK_MISSING_FILE, automations, install
-from tests.support.alerts import Receiver, firings, wait_for
+from tests.support.alerts import Receiver, firings
 from tests.support.databases import unique
+from tests.support.waiting import wait_for
 
 WINDOW = timedelta(seconds=20)
 #: How late a firing may come: Prefect evaluates proactive triggers every 5 s, then the actions

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from tests.support.waiting import wait_for
 from tests.target_server import Answer, TargetServer
 
 
@@ -216,7 +217,7 @@ def test_a_held_request_is_recorded_and_answered_only_when_released(server: Targ
 
     sender = threading.Thread(target=post)
     sender.start()
-    _wait_until(lambda: bool(server.requests), "the request to arrive")
+    wait_for(lambda: bool(server.requests), 10, "the request to arrive", poll=0.01)
     sender.join(timeout=0.3)
     assert sender.is_alive() and not answers  # arrived, recorded, not answered
     server.release()
@@ -231,7 +232,9 @@ def test_a_given_up_answer_comes_only_after_the_client_gave_up_and_is_applied(se
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server.url}/contacts", json={"email": "a@x.io"}, timeout=1.5)
     # Applied once the client hung up, not at the end of the answer's 30-second bound.
-    _wait_until(lambda: bool(server.records("contacts")), "the request to be applied after the client gave up")
+    wait_for(
+        lambda: bool(server.records("contacts")), 10, "the request to be applied after the client gave up", poll=0.01
+    )
     assert [r["email"] for r in server.records("contacts").values()] == ["a@x.io"]
 
 
@@ -249,16 +252,9 @@ def test_a_request_stalled_across_a_reset_is_dropped_not_applied(server: TargetS
 
     sender = threading.Thread(target=post)
     sender.start()
-    _wait_until(lambda: server.stalled == 1, "the request to be stalled")
+    wait_for(lambda: server.stalled == 1, 10, "the request to be stalled", poll=0.01)
     server.reset()  # the next test begins while the request is stalled
     sender.join(timeout=30)
     assert not sender.is_alive(), "the reset did not end the stall"
     assert server.records("contacts") == {}
     assert len(answers) == 1 and isinstance(answers[0], httpx.HTTPError)  # dropped: no answer either
-
-
-def _wait_until(condition: Callable[[], bool], what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
-        time.sleep(0.01)
